@@ -1,0 +1,1 @@
+"""Engine replicas and the Ray actor that owns them."""

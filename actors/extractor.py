@@ -1,0 +1,139 @@
+"""The Ray Data stage that owns an engine replica: tokens in, committed shards and metadata rows out.
+
+Per batch: capture every ok sample (bounded retries), validate it, commit one shard and one error
+file, and return one small metadata row per input row. Hidden states never leave this actor
+except as a committed shard. A failing sample becomes an error row; a dead engine raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+
+import pyarrow as pa
+
+from actors.sglang_engine import SGLangEngine
+from actors.validate import check_capture
+from pipeline.shards import CapturedSample, ShardLayout, write_shard
+from pipeline.storage import Store
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = ("sample_id", "source", "input_ids", "loss_mask", "status", "stage", "reason")
+RESULT_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("status", pa.string()),
+        ("stage", pa.string()),
+        ("reason", pa.string()),
+        ("num_tokens", pa.int64()),
+        ("bytes", pa.int64()),  # this sample's share of its shard's committed bytes (sums exactly)
+        ("shard", pa.string()),
+        ("latency_s", pa.float64()),
+    ]
+)
+ERROR_DIR = "errors"
+
+
+def batch_digest(sample_ids: list[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
+
+
+class HiddenStateExtractor:
+    def __init__(self, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int):
+        self.layout = layout
+        self.retries = retries
+        self.store = Store(output_url)
+        self.engine = SGLangEngine(**engine_kwargs).start()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __del__(self):
+        # Ray Data's only teardown hook for a callable-class stage: it drops the UDF on graceful actor
+        # exit. The engine's lifecycle stays explicit (close()); this just calls it. Forced kills are
+        # covered by the server's parent-death signal.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        missing = [c for c in REQUIRED_COLUMNS if c not in batch.column_names]
+        if missing:
+            raise KeyError(f"HiddenStateExtractor needs columns {missing}, got {batch.column_names}")
+        rows = batch.to_pylist()
+        todo = {r["sample_id"]: r for r in rows if r["status"] == "ok"}
+        captured, failed, latency = self._capture(todo)
+
+        results: list[dict] = []
+        error_rows = []
+        for r in rows:
+            sid = r["sample_id"]
+            if r["status"] != "ok":
+                error_rows.append({k: r[k] for k in ("sample_id", "source", "status", "stage", "reason")})
+            elif sid in failed:
+                error_rows.append({"sample_id": sid, "source": r["source"], "status": "error", "stage": "extract",
+                                   "reason": failed[sid]})  # fmt: skip
+
+        digest = batch_digest([r["sample_id"] for r in rows])
+        if error_rows:
+            body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in error_rows)
+            self.store.write_bytes(f"{ERROR_DIR}/part-{digest}.jsonl", body.encode())
+        shard, shard_bytes = "", 0
+        samples = [captured[sid] for sid in todo if sid in captured]
+        if samples:
+            shard, shard_bytes = write_shard(self.store, samples, self.layout)
+        shares = _split_exact(shard_bytes, [len(s.input_ids) for s in samples])
+
+        errors_by_id = {e["sample_id"]: e for e in error_rows}
+        for r in rows:
+            sid = r["sample_id"]
+            if sid in errors_by_id:
+                e = errors_by_id[sid]
+                results.append(_result(sid, e["status"], e["stage"], e["reason"], len(r["input_ids"])))
+        for s, share in zip(samples, shares):
+            results.append(_result(s.sample_id, "ok", "", "", len(s.input_ids), share, shard, latency.get(s.sample_id, 0.0)))
+        return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
+
+    def _capture(self, todo: dict[str, dict]):
+        captured: dict[str, CapturedSample] = {}
+        failed: dict[str, str] = {}
+        latency: dict[str, float] = {}
+        pending = list(todo)
+        for attempt in range(self.retries + 1):
+            if not pending:
+                break
+            self.engine.ensure_alive()
+            results = self.engine.capture([(sid, todo[sid]["input_ids"]) for sid in pending])
+            pending = []
+            for sid, res in results.items():
+                row = todo[sid]
+                reason = res.error or check_capture(res.capture, row["input_ids"], self.layout.aux_width, self.layout.hidden_size)
+                if reason is None:
+                    captured[sid] = CapturedSample(sid, row["input_ids"], row["loss_mask"], res.capture.aux, res.capture.last)
+                    latency[sid] = res.latency_s
+                    failed.pop(sid, None)
+                else:
+                    failed[sid] = f"{reason} (after {attempt + 1} attempts)"
+                    pending.append(sid)
+            if pending:
+                logger.warning("attempt %d: %d of %d samples failed, e.g. %s", attempt + 1, len(pending), len(todo), failed[pending[0]])
+                time.sleep(min(2.0**attempt, 10.0))
+        return captured, failed, latency
+
+
+def _split_exact(total: int, weights: list[int]) -> list[int]:
+    """Integer shares of `total` proportional to weights that add up to exactly `total`."""
+    if not weights:
+        return []
+    wsum = sum(weights) or 1
+    shares = [total * w // wsum for w in weights]
+    shares[0] += total - sum(shares)
+    return shares
+
+
+def _result(sid, status, stage, reason, num_tokens, nbytes=0, shard="", latency_s=0.0) -> dict:
+    return {"sample_id": sid, "status": status, "stage": stage, "reason": reason, "num_tokens": num_tokens,
+            "bytes": nbytes, "shard": shard, "latency_s": latency_s}  # fmt: skip

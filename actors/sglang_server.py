@@ -1,0 +1,201 @@
+"""One SGLang server subprocess with the hidden-state dump hook: start, health, requests, close.
+
+The server runs on 127.0.0.1 as `python -m sglang.launch_server`. The hook (patches/sglang/) reaches
+the scheduler process through PYTHONPATH, and writes each request's hidden states into `dump_dir`
+as `<rid>.hhd`. Flags that would silently truncate hidden states are set here and cannot be
+overridden by the user: the radix cache (a repeated prompt would return only its uncached suffix)
+and chunked prefill (a long prompt would return only its last chunk; the hook does not assemble chunks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from patches.sglang import server_pythonpath
+
+logger = logging.getLogger(__name__)
+
+RID_PREFIX = "hh-"
+
+# Flags the engine owns; a user flag naming one of them is refused.
+_OWNED_FLAGS = (
+    "--model-path",
+    "--host",
+    "--port",
+    "--tp-size",
+    "--device",
+    "--disable-radix-cache",
+    "--chunked-prefill-size",
+    "--enable-return-aux-hidden-states",
+    "--speculative-algorithm",
+    "--return-aux-hidden-state-layer-ids",
+    "--enable-mixed-chunk",
+)
+
+
+class EngineDied(RuntimeError):
+    """The server process is gone or unhealthy; the actor must fail so Ray restarts it."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model_dir: Path
+    aux_layers: tuple[int, ...]
+    dump_dir: Path
+    tp_size: int = 1
+    cpu: bool = True
+    extra_flags: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for flag in self.extra_flags:
+            name = flag.split("=", 1)[0]
+            if name in _OWNED_FLAGS:
+                raise ValueError(
+                    f"engine.server_flags may not set {name}: hidden-harvest sets it so hidden states are "
+                    "complete and captured (see actors/sglang_server.py)"
+                )
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM the server when the process that started it dies.
+
+    A Ray actor killed by force never runs its teardown; without this its server would live on.
+    (SGLang's own children already die with the server.)
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_command(spec: ServerSpec, port: int) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(spec.model_dir),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--tp-size", str(spec.tp_size),
+        "--disable-radix-cache",
+        "--chunked-prefill-size", "-1",
+        "--enable-return-aux-hidden-states",
+        "--speculative-algorithm", "EAGLE3",
+        "--return-aux-hidden-state-layer-ids", *[str(i) for i in spec.aux_layers],
+    ]  # fmt: skip
+    if spec.cpu:
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+        # SGLang sizes the KV cache as a fraction of memory; its GPU default leaves nothing on a CPU host.
+        if not any(f.split("=")[0] in ("--mem-fraction-static", "--max-total-tokens") for f in spec.extra_flags):
+            cmd += ["--mem-fraction-static", "0.08"]
+    return cmd + list(spec.extra_flags)
+
+
+def build_env(spec: ServerSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(spec.env)
+    extra = [str(p) for p in server_pythonpath(cpu=spec.cpu)]
+    # The repo root too, so `patches` resolves in the server as it does here.
+    extra.append(str(Path(__file__).resolve().parent.parent))
+    env["PYTHONPATH"] = os.pathsep.join(extra + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
+    env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
+    if spec.cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    return env
+
+
+class SGLangServer:
+    """Explicit lifecycle: start() ... close(); also a context manager. Never relies on __del__."""
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        self.port: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._log_path = spec.dump_dir / "server.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> SGLangServer:
+        self.spec.dump_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        cmd = build_command(self.spec, self.port)
+        logger.info("starting SGLang server: %s", " ".join(cmd))
+        log = open(self._log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(
+                cmd, env=build_env(self.spec), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            log.close()
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EngineDied(f"SGLang server exited with {self._proc.returncode} during start:\n{self.log_tail()}")
+            if self.healthy(timeout=2.0):
+                logger.info("SGLang server ready on %s (pid %d)", self.url, self._proc.pid)
+                return
+            time.sleep(1.0)
+        self.close()
+        raise EngineDied(f"SGLang server not ready after {self.spec.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        try:
+            return requests.get(f"{self.url}/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no server log)"
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        # The server spawns scheduler/detokenizer children: signal the whole process group.
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                logger.warning("SGLang server pid %d ignored %s", proc.pid, sig.name)
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,148 @@
+"""The job's configuration: frozen pydantic models, unknown keys are errors.
+
+Each component receives only its own section. GPU counts are derived here, in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says what to change."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputConfig(_Strict):
+    # A path or glob, local or s3://; every match is read as JSONL.
+    path: str
+    id_field: str = "id"
+
+
+class ModelConfig(_Strict):
+    # A local HF model directory, or "default" for the embedded SmolLM2-135M-Instruct.
+    path: str = "default"
+
+
+class EngineConfig(_Strict):
+    name: Literal["sglang"] = "sglang"
+    # "auto" uses GPUs when Ray sees any, else SGLang's CPU mode.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    tp_size: int = Field(1, ge=1)
+    num_actors: int = Field(1, ge=1)
+    # Requests one actor keeps in flight against its server.
+    max_in_flight: int = Field(8, ge=1)
+    # CPUs Ray reserves per actor (the server's threads come on top).
+    cpus_per_actor: float = Field(1.0, gt=0)
+    server_flags: tuple[str, ...] = ()
+    startup_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+    def gpus_per_actor(self, cuda: bool) -> int:
+        return self.tp_size if cuda else 0
+
+
+class ExtractConfig(_Strict):
+    # Decoder layer ids whose output is captured ("output of decoder layer i" = HF hidden_states[i+1]).
+    # None: SGLang's EAGLE-3 default for the model, [2, L//2, L-3].
+    aux_layers: tuple[int, ...] | None = None
+    max_tokens: int = Field(2048, ge=1)
+    # What to do with a sample longer than max_tokens.
+    overlength: Literal["truncate", "reject"] = "reject"
+    # Extra attempts for a sample whose capture fails validation.
+    retries: int = Field(2, ge=0)
+    # Samples per actor batch; one batch becomes one shard.
+    batch_size: int = Field(32, ge=1)
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _layers_distinct(cls, v):
+        if v is not None and (len(v) == 0 or len(set(v)) != len(v) or min(v) < 0):
+            raise ValueError("aux_layers must be distinct, non-negative layer ids (or null for the default)")
+        return v
+
+
+class OutputConfig(_Strict):
+    # Local directory or s3://bucket/prefix.
+    path: str
+    # bss_zstd: standard Parquet, uint16 bf16 bits, BYTE_STREAM_SPLIT + zstd (any Parquet reader gets the bits).
+    encoding: Literal["bss_zstd"] = "bss_zstd"
+    zstd_level: int = Field(1, ge=1, le=22)
+
+
+class ProgressConfig(_Strict):
+    interval_s: float = Field(10.0, gt=0)
+
+
+class RayConfig(_Strict):
+    # None: RAY_ADDRESS / the job's cluster if set, else a local Ray.
+    address: str | None = None
+    num_cpus: int | None = Field(None, ge=1)
+    object_store_memory_mb: int | None = Field(None, ge=75)
+
+
+class HarvestConfig(_Strict):
+    input: InputConfig
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    extract: ExtractConfig = ExtractConfig()
+    output: OutputConfig
+    progress: ProgressConfig = ProgressConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _engine_fits(self):
+        if self.engine.device == "cpu" and self.engine.tp_size != 1:
+            raise ValueError("engine.tp_size > 1 needs GPUs; set engine.device=cuda or tp_size=1")
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown key (check the spelling against conf/default.yaml)")
+        elif e["type"] == "missing":
+            lines.append(f"  {where}: required")
+        else:
+            lines.append(f"  {where}: {e['msg']}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> HarvestConfig:
+    """Read a YAML file (or nothing) and apply `section.key=value` overrides (values parsed as YAML)."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return HarvestConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None

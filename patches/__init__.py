@@ -1,0 +1,1 @@
+"""Version-pinned patches for third-party engines."""

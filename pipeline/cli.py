@@ -1,0 +1,88 @@
+"""`harvest run | inspect | verify`: decides the cluster and the config, then hands over to the job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+logger = logging.getLogger("harvest")
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def _init_ray(cfg) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    kwargs = {"log_to_driver": True}
+    if address:
+        kwargs["address"] = address
+    else:
+        kwargs["num_cpus"] = cfg.ray.num_cpus
+        if cfg.ray.object_store_memory_mb:
+            kwargs["object_store_memory"] = cfg.ray.object_store_memory_mb * 2**20
+    ray.init(**kwargs)
+    ctx = ray.data.DataContext.get_current()
+    # Per-operator progress in non-interactive logs (ray job logs) rather than a TTY bar.
+    ctx.enable_progress_bars = sys.stderr.isatty()
+
+
+def cmd_run(args) -> int:
+    from conf import load_config
+    from pipeline.job import run
+    from pipeline.progress import human_bytes
+
+    cfg = load_config(args.config, args.set or [])
+    _init_ray(cfg)
+    summary = run(cfg)
+    t = summary["totals"]
+    p = summary["this_run"]
+    lines = [
+        f"output: {summary['output']}",
+        f"this run: {p.ok:,} ok, {p.errors:,} errors, {p.filtered:,} filtered, {p.tokens:,} tokens, "
+        f"{human_bytes(p.bytes)} ({p.bytes:,} bytes) committed",
+        f"output totals: {t['samples_ok']:,} ok + {t['errors']:,} errors + {t['filtered']:,} filtered = "
+        f"{t['accounted']:,} of {t['input_rows']:,} input rows; {t['tokens']:,} tokens; "
+        f"{human_bytes(t['bytes'])} ({t['bytes']:,} bytes) in {t['shards']} shards",
+    ]
+    if summary["reasons"]:
+        lines.append("top error reasons: " + "; ".join(f"{n}x {r}" for r, n in summary["reasons"]))
+    print("\n".join(lines))
+    return 0 if t["accounted"] == t["input_rows"] else 1
+
+
+def cmd_inspect(args) -> int:
+    from pipeline.inspect import summarize
+
+    print(summarize(args.output))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="harvest", description="Hidden-state training data for EAGLE-3 draft models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run the job")
+    p.add_argument("config", help="a YAML file in conf/")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("inspect", help="summarize an output (local dir or s3://)")
+    p.add_argument("output")
+    p.set_defaults(fn=cmd_inspect)
+    args = parser.parse_args(argv)
+    _setup_logging()
+    from conf import ConfigError
+
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"harvest: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

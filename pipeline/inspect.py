@@ -1,0 +1,44 @@
+"""`harvest inspect OUTPUT`: a short human summary read from the manifest and shard footers."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+
+from pipeline.manifest import ERROR_DIR, read_manifest
+from pipeline.progress import human_bytes
+from pipeline.shards import list_shards, read_layout
+from pipeline.storage import Store
+
+
+def summarize(output: str) -> str:
+    store = Store(output)
+    manifest = read_manifest(store)
+    if manifest is None:
+        return f"{output}: no manifest.json (not a hidden-harvest output, or the first run never started)"
+    shards = list_shards(store)
+    lines = [f"output: {store.display()}  (status: {manifest.get('status')})"]
+    lines.append(f"model: {manifest['model']['name']}  engine: {manifest['engine']['name']} {manifest['engine']['version']} on {manifest['engine']['device']}")
+    lines.append(f"aux layers: {manifest['aux_layers']}  hidden size: {manifest['hidden_size']}  dtype: {manifest['dtype']}")
+    t = manifest.get("totals") or {}
+    if t:
+        lines.append(
+            f"samples: {t['samples_ok']:,} ok, {t['errors']:,} errors, {t['filtered']:,} filtered "
+            f"(of {t.get('input_rows', '?')} input rows); tokens: {t['tokens']:,}; bytes: {human_bytes(t['bytes'])} in {t['shards']} shards"
+        )
+        raw = t["tokens"] * (len(manifest["aux_layers"]) + 1) * manifest["hidden_size"] * 2
+        if raw:
+            lines.append(f"hidden-state storage: {t['bytes'] / raw:.3f} of raw bf16 ({human_bytes(raw)} raw)")
+    if shards:
+        with store.fs.open(store.path(shards[0]), "rb") as f:
+            pf = pq.ParquetFile(f)
+            lines.append(f"schema ({len(shards)} shards, first {shards[0]}):")
+            lines += [f"  {field.name}: {field.type}" for field in pf.schema_arrow]
+            lines.append(f"  metadata: {json.dumps(read_layout(pf.schema_arrow))}")
+    errors = store.list(ERROR_DIR, ".jsonl")
+    if errors:
+        first = store.read_bytes(errors[0]).decode().splitlines()[:3]
+        lines.append(f"errors: {len(errors)} files, e.g.:")
+        lines += [f"  {json.loads(e)}" for e in first if e.strip()]
+    return "\n".join(lines)

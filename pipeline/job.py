@@ -1,0 +1,202 @@
+"""The job: build the lazy Ray Datasets and drive them. Never calls ray.init (the CLI decides the cluster).
+
+Two phases. Tokenize is cheap and small (token ids only), so it is materialized first: that gives
+exact totals for progress, finds duplicate ids, and lets resume drop samples already committed.
+Then extraction maps batches onto the actor pool; only metadata rows come back to the driver.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from conf import HarvestConfig
+from pipeline import model as model_lib
+from pipeline.manifest import ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, write_manifest
+from pipeline.progress import Progress
+from pipeline.read import read_jsonl
+from pipeline.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
+from pipeline.storage import Store
+from pipeline.tokenize import Tokenize, fingerprint_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DUPLICATES = f"{ERROR_DIR}/duplicates.jsonl"
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_dir: Path
+    layout: ShardLayout
+    cuda: bool
+    settings: dict  # everything that changes the bytes of a sample
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """SGLang's EAGLE-3 default capture layers."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
+    model_dir = model_lib.resolve_model(cfg.model.path)
+    n_layers = model_lib.num_hidden_layers(model_dir)
+    aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
+    if max(aux) >= n_layers:
+        raise ValueError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
+    layout = ShardLayout(tuple(aux), model_lib.hidden_size(model_dir), cfg.output.encoding, cfg.output.zstd_level)
+    cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
+    settings = {
+        "format_version": layout.metadata()["format_version"],
+        "model_sha256": model_lib.model_fingerprint(model_dir),
+        **fingerprint_tokenizer(model_dir),
+        "aux_layers": list(aux),
+        "hidden_size": layout.hidden_size,
+        "max_tokens": cfg.extract.max_tokens,
+        "overlength": cfg.extract.overlength,
+        "encoding": cfg.output.encoding,
+        "id_field": cfg.input.id_field,
+    }
+    return Plan(model_dir, layout, cuda, settings)
+
+
+def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
+    import ray.data
+
+    return read_jsonl(cfg.input.path).map_batches(
+        Tokenize,
+        fn_constructor_kwargs=dict(
+            model_dir=str(plan.model_dir), max_tokens=cfg.extract.max_tokens,
+            overlength=cfg.extract.overlength, id_field=cfg.input.id_field,
+        ),
+        batch_format="pyarrow",
+        batch_size=256,
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=1),
+    )  # fmt: skip
+
+
+def committed_ids(store: Store) -> set[str]:
+    """Samples already decided: in a committed shard or a committed error file (ids only, no hidden states)."""
+    done: set[str] = set()
+    for rel in list_shards(store):
+        done.update(shard_sample_ids(store, rel))
+    for rel in store.list(ERROR_DIR, ".jsonl"):
+        if rel == DUPLICATES:
+            continue
+        done.update(json.loads(line)["sample_id"] for line in store.read_bytes(rel).decode().splitlines() if line.strip())
+    return done
+
+
+def find_duplicates(ids: pa.Table) -> dict[str, str]:
+    """(sample_id -> reason) for every row after the first with the same id, keyed by `source`."""
+    first: dict[str, str] = {}
+    dups: dict[str, str] = {}
+    for sid, source in sorted(zip(ids["sample_id"].to_pylist(), ids["source"].to_pylist()), key=lambda r: _source_key(r[1])):
+        if sid in first:
+            dups[source] = f"duplicate sample_id {sid!r} (first seen at {first[sid]})"
+        else:
+            first[sid] = source
+    return dups
+
+
+def _source_key(source: str):
+    path, _, line = source.rpartition(":")
+    return (path, int(line) if line.isdigit() else 0)
+
+
+def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
+    engine = {
+        "spec_without_dump": {
+            "model_dir": plan.model_dir,
+            "aux_layers": plan.layout.aux_layers,
+            "tp_size": cfg.engine.tp_size,
+            "cpu": not plan.cuda,
+            "extra_flags": tuple(cfg.engine.server_flags),
+            "startup_timeout_s": cfg.engine.startup_timeout_s,
+        },
+        "max_in_flight": cfg.engine.max_in_flight,
+        "request_timeout_s": cfg.engine.request_timeout_s,
+    }
+    return dict(engine_kwargs=engine, layout=plan.layout, output_url=cfg.output.path, retries=cfg.extract.retries)
+
+
+def run(cfg: HarvestConfig) -> dict:
+    import ray
+    import ray.data
+
+    from actors.extractor import HiddenStateExtractor
+
+    plan = make_plan(cfg, ray.cluster_resources().get("GPU", 0))
+    store = Store(cfg.output.path)
+    existing = read_manifest(store)
+    check_settings(existing, plan.settings)
+    store.clean_temporaries(SHARD_DIR)
+    store.clean_temporaries(ERROR_DIR)
+    manifest = base_manifest(cfg.output.path, plan.settings, provenance(plan), cfg.model_dump(mode="json"))
+    write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
+
+    tokenized = tokenized_dataset(cfg, plan).materialize()
+    index = pa.concat_tables(ray.get(tokenized.select_columns(["sample_id", "source", "num_tokens", "status"]).to_arrow_refs()))
+    input_rows = index.num_rows
+    dups = find_duplicates(index)
+    done = committed_ids(store)
+    if dups:
+        body = "".join(json.dumps({"source": s, "status": "filtered", "stage": "dedup", "reason": r}) + "\n" for s, r in sorted(dups.items()))
+        store.write_bytes(DUPLICATES, body.encode())
+    todo_mask = [s not in dups and sid not in done for sid, s in zip(index["sample_id"].to_pylist(), index["source"].to_pylist())]
+    todo_rows = sum(todo_mask)
+    todo_tokens = sum(n for n, keep in zip(index["num_tokens"].to_pylist(), todo_mask) if keep)
+    logger.info(
+        "%d input rows: %d already committed, %d duplicates, %d to process (%d tokens), device=%s",
+        input_rows, input_rows - todo_rows - len(dups), len(dups), todo_rows, todo_tokens, "cuda" if plan.cuda else "cpu",
+    )  # fmt: skip
+
+    skip_sources = set(dups)
+    todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
+    results = todo.map_batches(
+        HiddenStateExtractor,
+        fn_constructor_kwargs=extractor_kwargs(cfg, plan),
+        batch_size=cfg.extract.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors),
+        num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
+        num_cpus=cfg.engine.cpus_per_actor,
+    )
+    progress = Progress(todo_rows, todo_tokens, cfg.progress.interval_s)
+    progress.maybe_log(force=True)
+    reasons: Counter = Counter()
+    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
+        progress.update(batch["status"].to_pylist(), batch["num_tokens"].to_pylist(), batch["bytes"].to_pylist())
+        reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), batch["status"].to_pylist()) if st != "ok")
+        progress.maybe_log()
+    progress.maybe_log(force=True)
+
+    totals = committed_totals(store)
+    totals["filtered"] += len(dups)
+    totals["input_rows"] = input_rows
+    totals["accounted"] = totals["samples_ok"] + totals["errors"] + totals["filtered"]
+    write_manifest(store, dict(manifest, status="complete", totals=totals))
+    return {"totals": totals, "this_run": progress, "reasons": reasons.most_common(5), "output": store.display()}
+
+
+def provenance(plan: Plan) -> dict:
+    def version(pkg: str) -> str:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "model": {"path": str(plan.model_dir), "name": plan.model_dir.name},
+        "engine": {"name": "sglang", "version": version("sglang"), "device": "cuda" if plan.cuda else "cpu"},
+        "software": {p: version(p) for p in ("hidden-harvest", "ray", "pyarrow", "torch", "transformers")},
+        "aux_layers": list(plan.layout.aux_layers),
+        "hidden_size": plan.layout.hidden_size,
+        "aux_width": plan.layout.aux_width,
+        "encoding": plan.layout.metadata(),
+    }

@@ -1,0 +1,90 @@
+"""manifest.json: what produced the data, what it holds, and the totals read back from committed files.
+
+The data settings (anything that changes the bytes of a sample) are compared before a rerun writes
+into an existing output, so one output never mixes two models, layer sets or templates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pyarrow.parquet as pq
+
+from pipeline.shards import FORMAT_VERSION, list_shards
+from pipeline.storage import Store
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+ERROR_DIR = "errors"
+AUX_CONVENTION = "aux layer i = output of decoder layer i = HF hidden_states[i+1] (residual stream)"
+
+
+class SettingsMismatch(RuntimeError):
+    pass
+
+
+def read_manifest(store: Store) -> dict | None:
+    if not store.exists(MANIFEST):
+        return None
+    return json.loads(store.read_bytes(MANIFEST))
+
+
+def write_manifest(store: Store, manifest: dict) -> None:
+    manifest = dict(manifest, updated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    store.write_bytes(MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+
+
+def check_settings(existing: dict | None, settings: dict) -> None:
+    """Refuse to add data made with different settings to an existing output."""
+    if existing is None:
+        return
+    old = existing.get("data_settings", {})
+    diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+    if diff:
+        lines = [f"  {k}: output has {old.get(k)!r}, this run has {settings.get(k)!r}" for k in diff]
+        raise SettingsMismatch(
+            f"output {existing.get('output', '')} was written with different data settings:\n" + "\n".join(lines)
+            + "\nUse a new output.path, or rerun with the original settings."
+        )
+
+
+def committed_totals(store: Store) -> dict:
+    """Totals from committed files only: shard footers and the num_tokens column, error files."""
+    ok = tokens = nbytes = 0
+    shards = list_shards(store)
+    for rel in shards:
+        with store.fs.open(store.path(rel), "rb") as f:
+            t = pq.read_table(f, columns=["num_tokens"])
+        ok += t.num_rows
+        tokens += int(t["num_tokens"].to_numpy().sum()) if t.num_rows else 0
+        nbytes += store.size(rel)
+    counts = {"error": 0, "filtered": 0}
+    for rel in store.list(ERROR_DIR, ".jsonl"):
+        for line in store.read_bytes(rel).decode().splitlines():
+            if line.strip():
+                status = json.loads(line).get("status", "error")
+                counts[status] = counts.get(status, 0) + 1
+    return {
+        "samples_ok": ok,
+        "errors": counts["error"],
+        "filtered": counts["filtered"],
+        "tokens": tokens,
+        "bytes": nbytes,
+        "shards": len(shards),
+    }
+
+
+def base_manifest(output: str, settings: dict, provenance: dict, config: dict) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "output": output,
+        "data_settings": settings,
+        "aux_layer_convention": AUX_CONVENTION,
+        "last_hidden_state": "final hidden state after the model's final norm",
+        "dtype": "bfloat16",
+        **provenance,
+        "config": config,
+    }

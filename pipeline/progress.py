@@ -1,0 +1,71 @@
+"""Driver-side counters and the one-line status, fed by the small metadata rows the actors return."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1000.0
+    return f"{n:.2f} TB"
+
+
+def human_duration(s: float) -> str:
+    s = int(max(0, s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+@dataclass
+class Progress:
+    total_samples: int  # rows this run will process (after resume and filtering)
+    total_tokens: int
+    interval_s: float = 10.0
+    done: int = 0
+    ok: int = 0
+    errors: int = 0
+    filtered: int = 0
+    tokens: int = 0  # tokens of samples committed this run
+    bytes: int = 0  # exact committed shard bytes this run
+    processed_tokens: int = 0  # tokens of every row handled, whatever its status (drives the ETA)
+    started: float = field(default_factory=time.monotonic)
+    _last_log: float = 0.0
+
+    def update(self, statuses, num_tokens, nbytes) -> None:
+        for status, n, b in zip(statuses, num_tokens, nbytes):
+            self.done += 1
+            if status == "ok":
+                self.ok += 1
+                self.tokens += n
+                self.bytes += b
+            elif status == "filtered":
+                self.filtered += 1
+            else:
+                self.errors += 1
+        self.processed_tokens += sum(num_tokens)
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        pct = 100.0 * self.done / self.total_samples if self.total_samples else 100.0
+        sps = self.done / elapsed
+        tps = self.tokens / elapsed
+        left = self.total_tokens - self.processed_tokens
+        eta = human_duration(left / tps) if tps > 0 and left > 0 else ("0s" if left <= 0 else "?")
+        return (
+            f"{self.done:,}/{self.total_samples:,} ({pct:.1f}%) | {sps:.2f} samples/s | {tps:,.0f} tok/s | "
+            f"ETA {eta} | errors {self.errors} | {human_bytes(self.bytes)} written"
+        )
+
+    def maybe_log(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_log >= self.interval_s:
+            self._last_log = now
+            logger.info("%s", self.line())
