@@ -54,6 +54,9 @@ class ServerSpec:
     dump_dir: Path
     tp_size: int = 1
     cpu: bool = True
+    cpu_threads: int | None = None
+    # False: a plain server without aux capture or hook (the benchmark's baseline), never used by the job.
+    capture: bool = True
     extra_flags: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
@@ -97,10 +100,13 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         "--tp-size", str(spec.tp_size),
         "--disable-radix-cache",
         "--chunked-prefill-size", "-1",
-        "--enable-return-aux-hidden-states",
-        "--speculative-algorithm", "EAGLE3",
-        "--return-aux-hidden-state-layer-ids", *[str(i) for i in spec.aux_layers],
     ]  # fmt: skip
+    if spec.capture:
+        cmd += [
+            "--enable-return-aux-hidden-states",
+            "--speculative-algorithm", "EAGLE3",
+            "--return-aux-hidden-state-layer-ids", *[str(i) for i in spec.aux_layers],
+        ]  # fmt: skip
     if spec.cpu:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         # SGLang sizes the KV cache as a fraction of memory; its GPU default leaves nothing on a CPU host.
@@ -113,13 +119,15 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
     env = dict(os.environ)
     env.update(spec.env)
     extra = [str(p) for p in server_pythonpath(cpu=spec.cpu)]
-    # The repo root too, so `patches` resolves in the server as it does here.
-    extra.append(str(Path(__file__).resolve().parent.parent))
     env["PYTHONPATH"] = os.pathsep.join(extra + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
-    env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
+    env.pop("HIDDEN_HARVEST_DUMP_DIR", None)
+    if spec.capture:
+        env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
+        env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
     if spec.cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        threads = str(spec.cpu_threads or os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = threads
     return env
 
 

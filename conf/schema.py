@@ -41,6 +41,9 @@ class EngineConfig(_Strict):
     max_in_flight: int = Field(8, ge=1)
     # CPUs Ray reserves per actor (the server's threads come on top).
     cpus_per_actor: float = Field(1.0, gt=0)
+    # CPU mode only: threads the server's torch may use (None: this host's cores / num_actors).
+    # Ray pins OMP_NUM_THREADS to the actor's num_cpus, which would leave the server one thread.
+    cpu_threads: int | None = Field(None, ge=1)
     server_flags: tuple[str, ...] = ()
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,7 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
             "aux_layers": plan.layout.aux_layers,
             "tp_size": cfg.engine.tp_size,
             "cpu": not plan.cuda,
+            "cpu_threads": cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors),
             "extra_flags": tuple(cfg.engine.server_flags),
             "startup_timeout_s": cfg.engine.startup_timeout_s,
         },
@@ -180,7 +182,11 @@ def run(cfg: HarvestConfig) -> dict:
     totals["filtered"] += len(dups)
     totals["input_rows"] = input_rows
     totals["accounted"] = totals["samples_ok"] + totals["errors"] + totals["filtered"]
-    write_manifest(store, dict(manifest, status="complete", totals=totals))
+    last_run = {
+        "samples_ok": progress.ok, "errors": progress.errors, "tokens": progress.tokens, "bytes": progress.bytes,
+        "extract_seconds": round(progress.elapsed(), 3), "tokens_per_second": round(progress.tokens / max(progress.elapsed(), 1e-9), 1),
+    }  # fmt: skip
+    write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=last_run))
     return {"totals": totals, "this_run": progress, "reasons": reasons.most_common(5), "output": store.display()}
 
 

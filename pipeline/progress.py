@@ -52,8 +52,11 @@ class Progress:
                 self.errors += 1
         self.processed_tokens += sum(num_tokens)
 
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
     def line(self) -> str:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+        elapsed = max(self.elapsed(), 1e-9)
         pct = 100.0 * self.done / self.total_samples if self.total_samples else 100.0
         sps = self.done / elapsed
         tps = self.tokens / elapsed

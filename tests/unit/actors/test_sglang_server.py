@@ -1,0 +1,107 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from actors.sglang_server import RID_PREFIX, ServerSpec, build_command, build_env
+
+PATCH_ROOT = Path(__file__).resolve().parents[3] / "patches" / "sglang" / "v0_5_23"
+
+
+def spec(**kw) -> ServerSpec:
+    return ServerSpec(model_dir=Path("/models/m"), aux_layers=(2, 15, 27), dump_dir=Path("/dev/shm/d"), **kw)
+
+
+def value_after(cmd: list[str], flag: str, n: int = 1) -> list[str]:
+    i = cmd.index(flag)
+    return cmd[i + 1 : i + 1 + n]
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--disable-radix-cache",
+        "--chunked-prefill-size=512",
+        "--port=30000",
+        "--tp-size",
+        "--return-aux-hidden-state-layer-ids",
+        "--enable-mixed-chunk",
+    ],
+)
+def test_engine_owned_flags_are_refused(flag):
+    with pytest.raises(ValueError, match=f"may not set {flag.split('=')[0]}"):
+        spec(extra_flags=(flag,))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SGLang's argparse accepts aliases (--model, --tensor-parallel-size) and unique prefixes "
+    "(--chunked-prefill), and user flags come last so they win (actors/sglang_server.py ServerSpec.__post_init__, build_command)",
+)
+@pytest.mark.parametrize("flags", [("--chunked-prefill", "512"), ("--tensor-parallel-size", "2"), ("--model", "/x")])
+def test_aliases_and_prefixes_of_owned_flags_are_refused(flags):
+    with pytest.raises(ValueError):
+        spec(extra_flags=flags)
+
+
+def test_user_flags_that_engine_does_not_own_are_kept():
+    cmd = build_command(spec(extra_flags=("--log-level", "debug", "--max-running-requests=4")), 1234)
+    assert cmd[-3:] == ["--log-level", "debug", "--max-running-requests=4"]
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_command_always_disables_truncating_features(cpu):
+    cmd = build_command(spec(cpu=cpu, tp_size=1 if cpu else 2), 4321)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert "--disable-radix-cache" in cmd
+    assert value_after(cmd, "--chunked-prefill-size") == ["-1"]
+    assert value_after(cmd, "--return-aux-hidden-state-layer-ids", 3) == ["2", "15", "27"]
+    assert "--enable-return-aux-hidden-states" in cmd
+    assert value_after(cmd, "--model-path") == ["/models/m"]
+    assert value_after(cmd, "--port") == ["4321"]
+    assert value_after(cmd, "--host") == ["127.0.0.1"]
+    assert value_after(cmd, "--tp-size") == ["1" if cpu else "2"]
+
+
+def test_cpu_flags_only_in_cpu_mode():
+    cpu = build_command(spec(cpu=True), 1)
+    assert value_after(cpu, "--device") == ["cpu"]
+    assert value_after(cpu, "--attention-backend") == ["torch_native"]
+    assert "--disable-cuda-graph" in cpu
+    gpu = build_command(spec(cpu=False), 1)
+    for flag in ("--device", "--attention-backend", "--disable-cuda-graph", "--mem-fraction-static"):
+        assert flag not in gpu
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--mem-fraction-static", "0.3"), ("--mem-fraction-static=0.3",), ("--max-total-tokens", "4096")],
+)
+def test_default_mem_fraction_only_when_user_sets_none(flags):
+    assert value_after(build_command(spec(cpu=True), 1), "--mem-fraction-static") == ["0.08"]
+    cmd = build_command(spec(cpu=True, extra_flags=flags), 1)
+    assert "0.08" not in cmd
+    assert sum(f.split("=")[0] == "--mem-fraction-static" for f in cmd) == (0 if "--max-total-tokens" in flags else 1)
+
+
+def test_env_puts_hook_first_and_standin_only_on_cpu(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/already/there")
+    cpu = build_env(spec(cpu=True))["PYTHONPATH"].split(os.pathsep)
+    assert cpu[0] == str(PATCH_ROOT / "sitedir")
+    assert str(PATCH_ROOT / "cpu_standin") in cpu
+    assert cpu[-1] == "/already/there"
+    gpu = build_env(spec(cpu=False))["PYTHONPATH"].split(os.pathsep)
+    assert gpu[0] == str(PATCH_ROOT / "sitedir")
+    assert not any("cpu_standin" in p for p in gpu)
+
+
+def test_env_hook_variables(monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    env = build_env(spec(cpu=True, env={"EXTRA": "1"}))
+    assert env["HIDDEN_HARVEST_DUMP_DIR"] == "/dev/shm/d"
+    assert env["HIDDEN_HARVEST_RID_PREFIX"] == RID_PREFIX
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["EXTRA"] == "1"
+    assert "" not in env["PYTHONPATH"].split(os.pathsep)
+    assert "SGLANG_USE_CPU_ENGINE" not in build_env(spec(cpu=False))

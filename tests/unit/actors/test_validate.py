@@ -1,0 +1,83 @@
+import hashlib
+
+import numpy as np
+import pytest
+
+from actors.dump import read_dump
+from actors.validate import check_capture, count_nonfinite, ids_sha256
+
+IDS = [11, 12, 13, 14]
+HIDDEN = 4
+AUX_WIDTH = 3 * HIDDEN
+
+
+def finite(rows, cols, seed=0) -> np.ndarray:
+    # Exponent field below all-ones: every value is a finite bf16.
+    return np.random.default_rng(seed).integers(0, 0x7F00, size=(rows, cols), dtype=np.uint16)
+
+
+@pytest.fixture
+def capture(make_dump):
+    def build(ids=IDS, aux=None, last=None, **header):
+        aux = finite(len(ids), AUX_WIDTH, 1) if aux is None else aux
+        last = finite(len(ids), HIDDEN, 2) if last is None else last
+        return read_dump(make_dump("hh-x", ids, aux, last, **header))
+
+    return build
+
+
+def test_correct_capture_passes(capture):
+    assert check_capture(capture(), IDS, AUX_WIDTH, HIDDEN) is None
+
+
+def test_ids_sha256_matches_the_hooks_hash():
+    assert ids_sha256(IDS) == hashlib.sha256(np.asarray(IDS, dtype=np.int32).tobytes()).hexdigest()
+    assert ids_sha256([1, 2]) != ids_sha256([2, 1])
+
+
+def test_token_count_mismatch(capture):
+    reason = check_capture(capture(), IDS + [15], AUX_WIDTH, HIDDEN)
+    assert reason == "token count mismatch: sent 5 tokens, server captured 4"
+
+
+def test_hash_mismatch_same_length(capture):
+    reason = check_capture(capture(), [11, 12, 13, 99], AUX_WIDTH, HIDDEN)
+    assert reason == "input ids seen by the server differ from those sent (hash mismatch)"
+
+
+def test_wrong_aux_width(capture):
+    cap = capture(aux=finite(len(IDS), AUX_WIDTH - HIDDEN))
+    reason = check_capture(cap, IDS, AUX_WIDTH, HIDDEN)
+    assert reason == f"aux_hidden_states shape (4, {AUX_WIDTH - HIDDEN}) != expected (4, {AUX_WIDTH})"
+
+
+def test_wrong_aux_rows(capture):
+    cap = capture(aux=finite(len(IDS) - 1, AUX_WIDTH))
+    assert check_capture(cap, IDS, AUX_WIDTH, HIDDEN).startswith("aux_hidden_states shape (3, 12)")
+
+
+def test_wrong_last_shape(capture):
+    cap = capture(last=finite(len(IDS), HIDDEN + 1))
+    reason = check_capture(cap, IDS, AUX_WIDTH, HIDDEN)
+    assert reason == "last_hidden_state shape (4, 5) != expected (4, 4)"
+
+
+@pytest.mark.parametrize("pattern", [0x7FC0, 0x7F80, 0xFF80, 0xFFC1])
+@pytest.mark.parametrize("block", ["aux", "last"])
+def test_nonfinite_values(capture, pattern, block):
+    arr = finite(len(IDS), AUX_WIDTH if block == "aux" else HIDDEN)
+    arr[2, 1] = pattern
+    arr[3, 0] = pattern
+    reason = check_capture(capture(**{block: arr}), IDS, AUX_WIDTH, HIDDEN)
+    assert reason == "2 non-finite hidden-state values"
+
+
+def test_largest_finite_bf16_is_not_flagged():
+    # 0x7F7F / 0xFF7F are +/- the largest finite bf16; 0x0001 a subnormal.
+    assert count_nonfinite(np.array([0x7F7F, 0xFF7F, 0x0001, 0x8000], dtype=np.uint16)) == 0
+    assert count_nonfinite(np.array([0x7F80, 0xFF80, 0x7FC0, 0x7F81], dtype=np.uint16)) == 4
+
+
+def test_prefix_reuse_is_rejected_first(capture):
+    reason = check_capture(capture(prefix_len=3), IDS, AUX_WIDTH, HIDDEN)
+    assert reason == "server reused 3 cached prefix tokens; the capture would be truncated"

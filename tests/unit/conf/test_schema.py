@@ -1,0 +1,138 @@
+import pydantic
+import pytest
+import yaml
+
+from conf import ConfigError, HarvestConfig, load_config
+
+
+@pytest.fixture
+def default_yaml(repo_root):
+    return repo_root / "conf" / "default.yaml"
+
+
+def write_yaml(tmp_path, tree) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+def test_default_yaml_loads(default_yaml):
+    cfg = load_config(default_yaml)
+    assert isinstance(cfg, HarvestConfig)
+    assert cfg.input.path == "conf/data/sample_conversations.jsonl"
+    assert cfg.output.path == "out/default"
+    assert cfg.model.path == "default"
+    assert cfg.extract.aux_layers is None
+    assert cfg.extract.overlength == "reject"
+    assert cfg.engine.server_flags == ()
+
+
+@pytest.mark.parametrize(
+    "tree, dotted",
+    [
+        ({"inputs": {"path": "x"}}, "inputs"),
+        ({"engine": {"tp_sise": 2}}, "engine.tp_sise"),
+        ({"extract": {"max_token": 10}}, "extract.max_token"),
+        ({"output": {"path": "o", "compression": "zstd"}}, "output.compression"),
+    ],
+)
+def test_unknown_key_is_named_in_error(tmp_path, tree, dotted):
+    base = {"input": {"path": "in.jsonl"}, "output": {"path": "out"}}
+    for section, values in tree.items():
+        base[section] = {**base.get(section, {}), **values}
+    with pytest.raises(ConfigError) as exc:
+        load_config(write_yaml(tmp_path, base))
+    assert f"{dotted}: unknown key" in str(exc.value)
+
+
+def test_missing_output_path_is_required(tmp_path):
+    path = write_yaml(tmp_path, {"input": {"path": "in.jsonl"}, "output": {"encoding": "bss_zstd"}})
+    with pytest.raises(ConfigError, match=r"output\.path: required"):
+        load_config(path)
+
+
+def test_missing_output_section_is_required():
+    with pytest.raises(ConfigError, match=r"output: required"):
+        load_config(None, ["input.path=in.jsonl"])
+
+
+def test_missing_file_is_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_set_overrides_are_parsed_as_yaml(default_yaml):
+    cfg = load_config(default_yaml, ["extract.max_tokens=128", "engine.server_flags=[--foo, --bar=1]"])
+    assert cfg.extract.max_tokens == 128
+    assert cfg.engine.server_flags == ("--foo", "--bar=1")
+    # Untouched values keep the file's setting.
+    assert cfg.extract.batch_size == 32
+
+
+def test_set_can_supply_required_fields_without_file():
+    cfg = load_config(None, ["input.path=a.jsonl", "output.path=s3://b/p", "extract.aux_layers=[1, 4]"])
+    assert cfg.output.path == "s3://b/p"
+    assert cfg.extract.aux_layers == (1, 4)
+
+
+def test_set_nested_new_key_is_rejected(default_yaml):
+    with pytest.raises(ConfigError, match=r"engine\.new: unknown key"):
+        load_config(default_yaml, ["engine.new.key=1"])
+
+
+def test_set_below_a_scalar_is_rejected(default_yaml):
+    with pytest.raises(ConfigError, match="max_tokens is not a section"):
+        load_config(default_yaml, ["extract.max_tokens.deeper=1"])
+
+
+@pytest.mark.parametrize("item", ["extract.max_tokens", "=3"])
+def test_set_without_key_value_is_rejected(default_yaml, item):
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(default_yaml, [item])
+
+
+@pytest.mark.parametrize(
+    "override, where",
+    [
+        ("engine.tp_size=0", "engine.tp_size"),
+        ("engine.num_actors=0", "engine.num_actors"),
+        ("extract.aux_layers=[2, 2, 5]", "extract.aux_layers"),
+        ("extract.aux_layers=[]", "extract.aux_layers"),
+        ("extract.aux_layers=[-1, 3]", "extract.aux_layers"),
+        ("extract.overlength=drop", "extract.overlength"),
+        ("output.zstd_level=23", "output.zstd_level"),
+        ("engine.device=tpu", "engine.device"),
+    ],
+)
+def test_invalid_values_are_rejected(default_yaml, override, where):
+    with pytest.raises(ConfigError) as exc:
+        load_config(default_yaml, [override])
+    assert f"  {where}:" in str(exc.value)
+
+
+def test_tp_size_above_one_needs_gpus(default_yaml):
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        load_config(default_yaml, ["engine.device=cpu", "engine.tp_size=2"])
+    assert load_config(default_yaml, ["engine.device=cuda", "engine.tp_size=2"]).engine.gpus_per_actor(True) == 2
+
+
+def test_gpus_per_actor_is_zero_without_cuda(default_yaml):
+    cfg = load_config(default_yaml, ["engine.tp_size=4"])
+    assert cfg.engine.gpus_per_actor(cuda=False) == 0
+    assert cfg.engine.gpus_per_actor(cuda=True) == 4
+
+
+def test_config_objects_are_frozen(default_yaml):
+    cfg = load_config(default_yaml)
+    with pytest.raises(pydantic.ValidationError):
+        cfg.extract.max_tokens = 1
+    with pytest.raises(pydantic.ValidationError):
+        cfg.output = cfg.output
+    assert cfg.extract.max_tokens == 2048

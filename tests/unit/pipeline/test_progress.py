@@ -1,0 +1,72 @@
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline import progress as progress_mod
+from pipeline.progress import Progress, human_bytes, human_duration
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    # `started` defaults to the real clock, so tests pass started=clock.t explicitly.
+    now = SimpleNamespace(t=100.0)
+    monkeypatch.setattr(progress_mod, "time", SimpleNamespace(monotonic=lambda: now.t))
+    return now
+
+
+def test_counts_by_status(clock):
+    p = Progress(total_samples=10, total_tokens=1000, started=clock.t)
+    p.update(["ok", "ok", "error", "filtered"], [100, 200, 50, 30], [1500, 2500, 0, 0])
+    assert (p.done, p.ok, p.errors, p.filtered) == (4, 2, 1, 1)
+    assert (p.tokens, p.bytes, p.processed_tokens) == (300, 4000, 380)
+
+
+def test_line_format(clock):
+    p = Progress(total_samples=10, total_tokens=1000, started=clock.t)
+    p.update(["ok", "ok", "error", "filtered"], [100, 200, 50, 30], [1500, 2500, 0, 0])
+    clock.t += 10.0
+    # 300 committed tokens in 10 s; 620 tokens left -> 20.67 s.
+    assert p.line() == "4/10 (40.0%) | 0.40 samples/s | 30 tok/s | ETA 20s | errors 1 | 4.00 KB written"
+
+
+def test_line_eta_unknown_before_first_token_and_zero_when_done(clock):
+    p = Progress(total_samples=1_234, total_tokens=5_000_000, started=clock.t)
+    clock.t += 1.0
+    assert p.line() == "0/1,234 (0.0%) | 0.00 samples/s | 0 tok/s | ETA ? | errors 0 | 0 B written"
+    p.update(["ok"] * 1_234, [5_000_000 // 1_234 + 1] * 1_234, [1_000_000] * 1_234)
+    line = p.line()
+    assert line.startswith("1,234/1,234 (100.0%)") and "ETA 0s" in line and line.endswith("1.23 GB written")
+
+
+def test_empty_run_is_complete(clock):
+    assert Progress(total_samples=0, total_tokens=0, started=clock.t).line().startswith("0/0 (100.0%)")
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (999, "999 B"), (1000, "1.00 KB"), (1500, "1.50 KB"), (2_500_000, "2.50 MB"),
+     (3 * 10**9, "3.00 GB"), (4 * 10**12, "4.00 TB"), (5 * 10**15, "5,000.00 TB")],
+)  # fmt: skip
+def test_human_bytes(n, text):
+    assert human_bytes(n) == text
+
+
+@pytest.mark.xfail(strict=True, reason="unit is chosen before rounding: 999_999 B prints as 1,000.00 KB (pipeline/progress.py:14)")
+def test_human_bytes_rounds_up_into_next_unit():
+    assert human_bytes(999_999) == "1.00 MB"
+
+
+@pytest.mark.parametrize("s, text", [(0, "0s"), (59.9, "59s"), (61, "1m01s"), (3600, "1h00m"), (7325, "2h02m"), (-5, "0s")])
+def test_human_duration(s, text):
+    assert human_duration(s) == text
+
+
+def test_maybe_log_respects_interval(clock, caplog):
+    p = Progress(total_samples=2, total_tokens=10, interval_s=10.0, started=clock.t)
+    with caplog.at_level("INFO", logger="pipeline.progress"):
+        p.maybe_log(force=True)
+        clock.t += 5.0
+        p.maybe_log()
+        clock.t += 5.0
+        p.maybe_log()
+    assert [r.getMessage() for r in caplog.records] == [p.line()] * 2

@@ -1,0 +1,151 @@
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.shards import (
+    HIDDEN_COLUMNS,
+    META_KEY,
+    CapturedSample,
+    ShardLayout,
+    list_shards,
+    open_shards,
+    read_layout,
+    shard_name,
+    shard_sample_ids,
+    write_shard,
+)
+from pipeline.storage import TMP_PREFIX, Store
+
+LAYOUT = ShardLayout(aux_layers=(2, 15, 27), hidden_size=16)
+
+
+def random_bf16(rng, rows, cols) -> np.ndarray:
+    """Random finite bf16 bit patterns (exponent never all ones)."""
+    bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
+    return np.where((bits & 0x7F80) == 0x7F80, bits & 0xBFFF, bits).astype(np.uint16)
+
+
+def make_samples(n=3, seed=0) -> list[CapturedSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        t = int(rng.integers(1, 9))
+        out.append(
+            CapturedSample(
+                sample_id=f"s{i}",
+                input_ids=rng.integers(0, 49152, t).tolist(),
+                loss_mask=rng.integers(0, 2, t).tolist(),
+                aux=random_bf16(rng, t, LAYOUT.aux_width),
+                last=random_bf16(rng, t, LAYOUT.hidden_size),
+            )
+        )
+    return out
+
+
+@pytest.fixture
+def written(tmp_path):
+    store = Store(str(tmp_path))
+    samples = make_samples()
+    name, nbytes = write_shard(store, samples, LAYOUT)
+    return store, samples, name, nbytes
+
+
+def test_round_trip_is_bit_exact(written, tmp_path):
+    store, samples, name, nbytes = written
+    assert nbytes == os.path.getsize(store.path(name))
+    rows = list(open_shards(str(tmp_path), as_torch=False))
+    assert [r["sample_id"] for r in rows] == [s.sample_id for s in samples]
+    for r, s in zip(rows, samples):
+        assert r["num_tokens"] == len(s.input_ids)
+        assert r["input_ids"].tolist() == s.input_ids
+        assert r["loss_mask"].tolist() == s.loss_mask
+        assert r["aux_hidden_states"].dtype == np.uint16
+        np.testing.assert_array_equal(r["aux_hidden_states"], s.aux)
+        np.testing.assert_array_equal(r["last_hidden_state"], s.last)
+
+
+def test_round_trip_as_torch_bf16(written, tmp_path):
+    import torch
+
+    _, samples, _, _ = written
+    rows = list(open_shards(str(tmp_path)))
+    for r, s in zip(rows, samples):
+        assert r["aux_hidden_states"].dtype == torch.bfloat16
+        assert tuple(r["aux_hidden_states"].shape) == s.aux.shape
+        assert r["input_ids"].dtype == torch.int64
+        got = r["last_hidden_state"].view(torch.int16).numpy().view(np.uint16)
+        np.testing.assert_array_equal(got, s.last)
+
+
+def test_shard_name_is_deterministic_and_order_independent():
+    a = shard_name(["b", "a", "c"])
+    assert a == shard_name(["a", "b", "c"]) == shard_name(["c", "a", "b"])
+    assert a.startswith("shards/part-") and a.endswith(".parquet")
+    assert len(a) == len("shards/part-.parquet") + 20
+    assert shard_name(["a", "b"]) != a
+
+
+def test_write_names_shard_from_its_samples(written):
+    _, samples, name, _ = written
+    assert name == shard_name([s.sample_id for s in reversed(samples)])
+
+
+def test_hidden_columns_use_byte_stream_split(written):
+    store, _, name, _ = written
+    meta = pq.ParquetFile(store.path(name)).metadata
+    rg = meta.row_group(0)
+    columns = {rg.column(i).path_in_schema: rg.column(i) for i in range(meta.num_columns)}
+    for col in HIDDEN_COLUMNS:
+        chunk = columns[f"{col}.list.element"]
+        assert "BYTE_STREAM_SPLIT" in chunk.encodings, (col, chunk.encodings)
+        assert chunk.compression == "ZSTD"
+    assert "BYTE_STREAM_SPLIT" not in columns["input_ids.list.element"].encodings
+
+
+def test_schema_metadata(written):
+    store, _, name, _ = written
+    schema = pq.read_schema(store.path(name))
+    meta = json.loads(schema.metadata[META_KEY])
+    assert meta == {
+        "format_version": 1,
+        "aux_layers": [2, 15, 27],
+        "hidden_size": 16,
+        "aux_width": 48,
+        "dtype": "bfloat16",
+        "storage": "uint16 bit patterns, row-major",
+        "encoding": "bss_zstd",
+    }
+    assert read_layout(schema) == meta
+    assert schema.names == ["sample_id", "input_ids", "loss_mask", "num_tokens", *HIDDEN_COLUMNS]
+
+
+def test_read_layout_rejects_foreign_parquet():
+    import pyarrow as pa
+
+    with pytest.raises(ValueError, match="not a hidden-harvest shard"):
+        read_layout(pa.schema([("x", pa.int32())]))
+
+
+def test_no_temporaries_left_and_ids_listed(written):
+    store, samples, name, _ = written
+    assert os.listdir(store.path("shards")) == [name.split("/")[-1]]
+    assert list_shards(store) == [name]
+    assert shard_sample_ids(store, name) == [s.sample_id for s in samples]
+
+
+def test_open_shards_skips_temporaries(written, tmp_path):
+    store, samples, _, _ = written
+    (tmp_path / "shards" / f"{TMP_PREFIX}abc-part-x.parquet").write_bytes(b"partial")
+    assert len(list(open_shards(str(tmp_path), as_torch=False))) == len(samples)
+
+
+def test_decode_row_rejects_inconsistent_sizes(tmp_path):
+    store = Store(str(tmp_path))
+    bad = make_samples(1)[0]
+    bad.last = bad.last[:, :-1]
+    write_shard(store, [bad], LAYOUT)
+    with pytest.raises(ValueError, match="sizes do not match"):
+        list(open_shards(str(tmp_path), as_torch=False))
