@@ -34,7 +34,12 @@ def read_dump(path: Path) -> Capture:
     if len(data) < 8:
         raise DumpError(f"dump {path.name} is truncated")
     (n,) = struct.unpack_from("<Q", data, 0)
-    header = json.loads(data[8 : 8 + n])
+    if len(data) < 8 + n or (len(data) - 8 - n) % 2:
+        raise DumpError(f"dump {path.name} is truncated ({len(data)} bytes)")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:
+        raise DumpError(f"dump {path.name} has an unreadable header: {e}") from None
     body = np.frombuffer(data, dtype=np.uint16, offset=8 + n)
     (ta, wa), (tl, wl) = header["aux_shape"], header["last_shape"]
     if body.size != ta * wa + tl * wl:

@@ -40,6 +40,9 @@ _OWNED_FLAGS = (
     "--speculative-algorithm",
     "--return-aux-hidden-state-layer-ids",
     "--enable-mixed-chunk",
+    # SGLang's aliases for owned flags.
+    "--model",
+    "--tensor-parallel-size",
 )
 
 
@@ -64,7 +67,8 @@ class ServerSpec:
     def __post_init__(self):
         for flag in self.extra_flags:
             name = flag.split("=", 1)[0]
-            if name in _OWNED_FLAGS:
+            # argparse also accepts unique prefixes (--chunked-prefill means --chunked-prefill-size).
+            if name.startswith("--") and any(owned.startswith(name) for owned in _OWNED_FLAGS):
                 raise ValueError(
                     f"engine.server_flags may not set {name}: hidden-harvest sets it so hidden states are "
                     "complete and captured (see actors/sglang_server.py)"
@@ -92,8 +96,9 @@ def free_port() -> int:
 
 
 def build_command(spec: ServerSpec, port: int) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "sglang.launch_server",
+    # User flags first: argparse keeps the last value, so the engine's own flags always win.
+    cmd = [sys.executable, "-m", "sglang.launch_server", *spec.extra_flags]
+    cmd += [
         "--model-path", str(spec.model_dir),
         "--host", "127.0.0.1",
         "--port", str(port),
@@ -112,7 +117,7 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         # SGLang sizes the KV cache as a fraction of memory; its GPU default leaves nothing on a CPU host.
         if not any(f.split("=")[0] in ("--mem-fraction-static", "--max-total-tokens") for f in spec.extra_flags):
             cmd += ["--mem-fraction-static", "0.08"]
-    return cmd + list(spec.extra_flags)
+    return cmd
 
 
 def build_env(spec: ServerSpec) -> dict[str, str]:

@@ -33,20 +33,16 @@ def test_engine_owned_flags_are_refused(flag):
         spec(extra_flags=(flag,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SGLang's argparse accepts aliases (--model, --tensor-parallel-size) and unique prefixes "
-    "(--chunked-prefill), and user flags come last so they win (actors/sglang_server.py ServerSpec.__post_init__, build_command)",
-)
 @pytest.mark.parametrize("flags", [("--chunked-prefill", "512"), ("--tensor-parallel-size", "2"), ("--model", "/x")])
 def test_aliases_and_prefixes_of_owned_flags_are_refused(flags):
     with pytest.raises(ValueError):
         spec(extra_flags=flags)
 
 
-def test_user_flags_that_engine_does_not_own_are_kept():
+def test_user_flags_come_before_the_engines_own_so_the_engine_wins():
     cmd = build_command(spec(extra_flags=("--log-level", "debug", "--max-running-requests=4")), 1234)
-    assert cmd[-3:] == ["--log-level", "debug", "--max-running-requests=4"]
+    assert cmd[3:6] == ["--log-level", "debug", "--max-running-requests=4"]
+    assert cmd.index("--disable-radix-cache") > 5
 
 
 @pytest.mark.parametrize("cpu", [True, False])

@@ -51,7 +51,6 @@ def test_human_bytes(n, text):
     assert human_bytes(n) == text
 
 
-@pytest.mark.xfail(strict=True, reason="unit is chosen before rounding: 999_999 B prints as 1,000.00 KB (pipeline/progress.py:14)")
 def test_human_bytes_rounds_up_into_next_unit():
     assert human_bytes(999_999) == "1.00 MB"
 
