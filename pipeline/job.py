@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from conf import HarvestConfig
 from pipeline import model as model_lib
-from pipeline.manifest import ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, write_manifest
+from pipeline.manifest import DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, write_manifest
 from pipeline.progress import Progress
 from pipeline.read import read_jsonl
 from pipeline.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
@@ -27,8 +27,6 @@ from pipeline.storage import Store
 from pipeline.tokenize import Tokenize, fingerprint_tokenizer
 
 logger = logging.getLogger(__name__)
-
-DUPLICATES = f"{ERROR_DIR}/duplicates.jsonl"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 ERROR_DIR = "errors"
+# Rewritten by every run from the input; not a record of committed samples (see job.committed_ids).
+DUPLICATES = f"{ERROR_DIR}/duplicates.jsonl"
 AUX_CONVENTION = "aux layer i = output of decoder layer i = HF hidden_states[i+1] (residual stream)"
 
 
@@ -63,6 +65,8 @@ def committed_totals(store: Store) -> dict:
         nbytes += store.size(rel)
     counts = {"error": 0, "filtered": 0}
     for rel in store.list(ERROR_DIR, ".jsonl"):
+        if rel == DUPLICATES:
+            continue
         for line in store.read_bytes(rel).decode().splitlines():
             if line.strip():
                 status = json.loads(line).get("status", "error")

@@ -13,13 +13,6 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def model_dir() -> Path:
-    from pipeline.model import prepare_default_model
-
-    return prepare_default_model()
-
-
-@pytest.fixture(scope="session")
 def chat_tokenizer(model_dir):
     from pipeline.tokenize import ChatTokenizer
 
