@@ -103,3 +103,9 @@ def num_hidden_layers(model_dir: Path) -> int:
 
 def hidden_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["hidden_size"])
+
+
+if __name__ == "__main__":
+    # `python -m pipeline.model`: prepare the default model once (make install runs this).
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logger.info("default model ready at %s", prepare_default_model())

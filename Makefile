@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make run` (install + default job), `make test` (install + tests).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test test-unit bench clean
+
+# torch/torchvision first (SGLang's pinned CUDA build, which also runs on CPU), then the complete
+# pinned set without resolution: sglang's metadata asks for CUDA-only kernels that CPU mode never imports.
+$(STAMP): pyproject.toml scripts/requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install --quiet --no-deps -r scripts/requirements.lock
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pipeline.model
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/harvest run conf/default.yaml
+
+test: install
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+
+test-unit: install
+	$(BIN)/python -m pytest tests/unit -q
+
+bench: install
+	$(BIN)/python bench/bench_throughput.py
+
+clean:
+	rm -rf out
