@@ -78,6 +78,11 @@ class OutputConfig(_Strict):
     # bss_zstd: standard Parquet, uint16 bf16 bits, BYTE_STREAM_SPLIT + zstd (any Parquet reader gets the bits).
     encoding: Literal["bss_zstd"] = "bss_zstd"
     zstd_level: int = Field(1, ge=1, le=22)
+    # all: last_hidden_state at every position [T, H]; masked: only where loss_mask is 1 [M, H]
+    # (the reader expands it back, or returns it with its positions).
+    last_hidden_state: Literal["all", "masked"] = "all"
+    # Refuse to start when the estimated output does not fit the free space of a local output.
+    check_free_space: bool = True
 
 
 class ProgressConfig(_Strict):

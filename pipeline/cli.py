@@ -63,6 +63,14 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from pipeline.verify import verify
+
+    report = verify(args.output)
+    print(report.text(args.output))
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harvest", description="Hidden-state training data for EAGLE-3 draft models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,13 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="summarize an output (local dir or s3://)")
     p.add_argument("output")
     p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("verify", help="integrity scan of an output; exit code 0 only when every check holds")
+    p.add_argument("output")
+    p.set_defaults(fn=cmd_verify)
     args = parser.parse_args(argv)
     _setup_logging()
     from conf import ConfigError
+    from pipeline.budget import InsufficientSpace
+    from pipeline.manifest import SettingsMismatch
 
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, InsufficientSpace, SettingsMismatch, FileNotFoundError) as e:
+        # Refusals with an actionable message: no traceback.
         print(f"harvest: {e}", file=sys.stderr)
         return 2
 

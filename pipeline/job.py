@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from conf import HarvestConfig
 from pipeline import model as model_lib
+from pipeline.budget import check_budget
 from pipeline.manifest import DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, write_manifest
 from pipeline.progress import Progress
 from pipeline.read import read_jsonl
@@ -48,7 +49,9 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
     aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
     if max(aux) >= n_layers:
         raise ValueError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
-    layout = ShardLayout(tuple(aux), model_lib.hidden_size(model_dir), cfg.output.encoding, cfg.output.zstd_level)
+    layout = ShardLayout(
+        tuple(aux), model_lib.hidden_size(model_dir), cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state
+    )
     cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
     settings = {
         "format_version": layout.metadata()["format_version"],
@@ -59,6 +62,7 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         "max_tokens": cfg.extract.max_tokens,
         "overlength": cfg.extract.overlength,
         "encoding": cfg.output.encoding,
+        "last_hidden_state_rows": cfg.output.last_hidden_state,
         "id_field": cfg.input.id_field,
     }
     return Plan(model_dir, layout, cuda, settings)
@@ -141,7 +145,9 @@ def run(cfg: HarvestConfig) -> dict:
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
 
     tokenized = tokenized_dataset(cfg, plan).materialize()
-    index = pa.concat_tables(ray.get(tokenized.select_columns(["sample_id", "source", "num_tokens", "status"]).to_arrow_refs()))
+    index = pa.concat_tables(
+        ray.get(tokenized.select_columns(["sample_id", "source", "num_tokens", "num_masked", "status"]).to_arrow_refs())
+    )
     input_rows = index.num_rows
     dups = find_duplicates(index)
     done = committed_ids(store)
@@ -151,10 +157,13 @@ def run(cfg: HarvestConfig) -> dict:
     todo_mask = [s not in dups and sid not in done for sid, s in zip(index["sample_id"].to_pylist(), index["source"].to_pylist())]
     todo_rows = sum(todo_mask)
     todo_tokens = sum(n for n, keep in zip(index["num_tokens"].to_pylist(), todo_mask) if keep)
+    todo_masked = sum(n for n, keep in zip(index["num_masked"].to_pylist(), todo_mask) if keep)
     logger.info(
         "%d input rows: %d already committed, %d duplicates, %d to process (%d tokens), device=%s",
         input_rows, input_rows - todo_rows - len(dups), len(dups), todo_rows, todo_tokens, "cuda" if plan.cuda else "cpu",
     )  # fmt: skip
+
+    check_budget(store, plan.layout, todo_tokens, todo_masked, cfg.output.check_free_space)
 
     skip_sources = set(dups)
     todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)

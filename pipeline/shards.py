@@ -32,6 +32,7 @@ class ShardLayout:
     hidden_size: int
     encoding: str = "bss_zstd"
     zstd_level: int = 1
+    last_rows: str = "all"  # "all" | "masked": rows of last_hidden_state kept
 
     @property
     def aux_width(self) -> int:
@@ -46,6 +47,7 @@ class ShardLayout:
             "dtype": "bfloat16",
             "storage": "uint16 bit patterns, row-major",
             "encoding": self.encoding,
+            "last_hidden_state_rows": self.last_rows,
         }
 
     def schema(self) -> pa.Schema:
@@ -85,6 +87,12 @@ def _flat_list(arrays: list[np.ndarray]) -> pa.ListArray:
     return pa.LargeListArray.from_arrays(offsets, values).cast(pa.list_(pa.uint16()))
 
 
+def _keep_rows(s: CapturedSample, layout: ShardLayout) -> np.ndarray:
+    if layout.last_rows == "masked":
+        return s.last[np.asarray(s.loss_mask, dtype=bool)]
+    return s.last
+
+
 def build_table(samples: list[CapturedSample], layout: ShardLayout) -> pa.Table:
     return pa.Table.from_arrays(
         [
@@ -93,7 +101,7 @@ def build_table(samples: list[CapturedSample], layout: ShardLayout) -> pa.Table:
             pa.array([s.loss_mask for s in samples], pa.list_(pa.uint8())),
             pa.array([len(s.input_ids) for s in samples], pa.int32()),
             _flat_list([s.aux for s in samples]),
-            _flat_list([s.last for s in samples]),
+            _flat_list([_keep_rows(s, layout) for s in samples]),
         ],
         schema=layout.schema(),
     )
@@ -125,31 +133,48 @@ def read_layout(schema: pa.Schema) -> dict:
     return json.loads(meta)
 
 
-def _bf16(values: np.ndarray, rows: int):
+def _bf16(bits: np.ndarray):
     import torch
 
-    return torch.from_numpy(values.view(np.int16).copy()).view(torch.bfloat16).reshape(rows, -1)
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16).copy()).view(torch.bfloat16)
 
 
-def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True) -> dict:
-    """One sample as tensors: aux [T, K*H] and last [T, H] bf16, input_ids int32, loss_mask uint8."""
+def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True, expand_last: bool = True) -> dict:
+    """One sample: aux [T, K*H] and last [T, H] bf16 (torch) or uint16 bits (numpy), input_ids, loss_mask.
+
+    Outputs written with last_hidden_state_rows="masked" store the final state only where loss_mask is 1:
+    `last_hidden_state_positions` gives those positions; with expand_last (default) `last_hidden_state`
+    is [T, H] with zeros elsewhere, without it the stored [M, H] rows.
+    """
     n = table["num_tokens"][i].as_py()
     out = {"sample_id": table["sample_id"][i].as_py(), "num_tokens": n}
     ids = table["input_ids"][i].values.to_numpy(zero_copy_only=False)
     mask = table["loss_mask"][i].values.to_numpy(zero_copy_only=False)
     aux = table["aux_hidden_states"][i].values.to_numpy(zero_copy_only=False)
     last = table["last_hidden_state"][i].values.to_numpy(zero_copy_only=False)
-    if aux.size != n * meta["aux_width"] or last.size != n * meta["hidden_size"]:
-        raise ValueError(f"sample {out['sample_id']}: hidden-state sizes do not match {n} tokens")
+    h = meta["hidden_size"]
+    masked = meta.get("last_hidden_state_rows", "all") == "masked"
+    last_rows = int(mask.sum()) if masked else n
+    if aux.size != n * meta["aux_width"] or last.size != last_rows * h or ids.size != n or mask.size != n:
+        raise ValueError(f"sample {out['sample_id']}: column sizes do not match {n} tokens")
+    last = last.reshape(last_rows, h)
+    if masked:
+        positions = np.flatnonzero(mask)
+        out["last_hidden_state_positions"] = positions
+        if expand_last:
+            full = np.zeros((n, h), dtype=np.uint16)
+            full[positions] = last
+            last = full
+    aux = aux.reshape(n, -1)
     if as_torch:
         import torch
 
-        out["input_ids"] = torch.from_numpy(ids.astype(np.int64))
-        out["loss_mask"] = torch.from_numpy(mask.copy())
-        out["aux_hidden_states"] = _bf16(aux, n)
-        out["last_hidden_state"] = _bf16(last, n)
+        out.update(input_ids=torch.from_numpy(ids.astype(np.int64)), loss_mask=torch.from_numpy(mask.copy()),
+                   aux_hidden_states=_bf16(aux), last_hidden_state=_bf16(last))  # fmt: skip
+        if masked:
+            out["last_hidden_state_positions"] = torch.from_numpy(out["last_hidden_state_positions"])
     else:
-        out.update(input_ids=ids, loss_mask=mask, aux_hidden_states=aux.reshape(n, -1), last_hidden_state=last.reshape(n, -1))
+        out.update(input_ids=ids, loss_mask=mask, aux_hidden_states=aux, last_hidden_state=last)
     return out
 
 
@@ -157,7 +182,7 @@ def list_shards(store: Store) -> list[str]:
     return store.list(SHARD_DIR, ".parquet")
 
 
-def open_shards(path: str, columns: list[str] | None = None, as_torch: bool = True) -> Iterator[dict]:
+def open_shards(path: str, as_torch: bool = True, expand_last: bool = True) -> Iterator[dict]:
     """Yield every committed sample under an output (local dir or s3://), shard by shard."""
     store = Store(path)
     for rel in list_shards(store):
@@ -165,7 +190,15 @@ def open_shards(path: str, columns: list[str] | None = None, as_torch: bool = Tr
             table = pq.read_table(f)
         meta = read_layout(table.schema)
         for i in range(table.num_rows):
-            yield decode_row(table, i, meta, as_torch=as_torch)
+            yield decode_row(table, i, meta, as_torch=as_torch, expand_last=expand_last)
+
+
+def read_token_columns(path: str) -> Iterator[pa.Table]:
+    """sample_id, num_tokens, input_ids, loss_mask of every shard, without touching hidden states."""
+    store = Store(path)
+    for rel in list_shards(store):
+        with store.fs.open(store.path(rel), "rb") as f:
+            yield pq.read_table(f, columns=["sample_id", "num_tokens", "input_ids", "loss_mask"])
 
 
 def shard_sample_ids(store: Store, rel: str) -> list[str]:

@@ -26,6 +26,7 @@ TOKENIZED_SCHEMA = pa.schema(
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.uint8())),
         ("num_tokens", pa.int32()),
+        ("num_masked", pa.int32()),
         ("status", pa.string()),  # ok | error | filtered
         ("stage", pa.string()),
         ("reason", pa.string()),
@@ -158,6 +159,7 @@ def _row(sample_id, source, status, stage, reason, ids=(), mask=()) -> dict:
         "input_ids": list(ids),
         "loss_mask": list(mask),
         "num_tokens": len(ids),
+        "num_masked": sum(mask),
         "status": status,
         "stage": stage,
         "reason": reason,

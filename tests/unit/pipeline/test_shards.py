@@ -117,6 +117,7 @@ def test_schema_metadata(written):
         "dtype": "bfloat16",
         "storage": "uint16 bit patterns, row-major",
         "encoding": "bss_zstd",
+        "last_hidden_state_rows": "all",
     }
     assert read_layout(schema) == meta
     assert schema.names == ["sample_id", "input_ids", "loss_mask", "num_tokens", *HIDDEN_COLUMNS]
@@ -149,3 +150,24 @@ def test_decode_row_rejects_inconsistent_sizes(tmp_path):
     write_shard(store, [bad], LAYOUT)
     with pytest.raises(ValueError, match="sizes do not match"):
         list(open_shards(str(tmp_path), as_torch=False))
+
+
+def test_masked_last_hidden_state_round_trip(tmp_path):
+    rng = np.random.default_rng(3)
+    layout = ShardLayout((1, 2), 8, last_rows="masked")
+    t = 6
+    mask = [0, 0, 1, 1, 0, 1]
+    aux = rng.integers(0, 0x7F00, size=(t, 16), dtype=np.uint16)
+    last = rng.integers(0, 0x7F00, size=(t, 8), dtype=np.uint16)
+    store = Store(str(tmp_path))
+    name, _ = write_shard(store, [CapturedSample("m", list(range(t)), mask, aux, last)], layout)
+    with store.fs.open(store.path(name), "rb") as f:
+        stored = pq.read_table(f)["last_hidden_state"][0].values.to_numpy()
+    assert stored.size == 3 * 8  # only the three masked rows are stored
+    (s,) = open_shards(str(tmp_path), as_torch=False)
+    assert s["last_hidden_state_positions"].tolist() == [2, 3, 5]
+    np.testing.assert_array_equal(s["last_hidden_state"][[2, 3, 5]], last[[2, 3, 5]])
+    assert not s["last_hidden_state"][[0, 1, 4]].any()  # expanded with zeros where nothing is trained
+    (c,) = open_shards(str(tmp_path), as_torch=False, expand_last=False)
+    np.testing.assert_array_equal(c["last_hidden_state"], last[[2, 3, 5]])
+    np.testing.assert_array_equal(c["aux_hidden_states"], aux)

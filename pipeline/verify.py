@@ -1,0 +1,104 @@
+"""`harvest verify OUTPUT`: an integrity scan of committed output; exit code 0 only when everything holds.
+
+Checks every shard opens, its schema and metadata match the manifest, its name matches the ids it holds,
+every list column has the length its num_tokens implies (hidden states decode to [T, ...]), no sample_id
+appears twice (across shards, or in a shard and in errors/), and the manifest totals match what is there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pipeline.manifest import DUPLICATES, ERROR_DIR, read_manifest
+from pipeline.shards import list_shards, read_layout, shard_name
+from pipeline.storage import Store
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    shards: int = 0
+    samples: int = 0
+    tokens: int = 0
+    bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def text(self, output: str) -> str:
+        head = f"{output}: {self.shards} shards, {self.samples:,} samples, {self.tokens:,} tokens, {self.bytes:,} bytes"
+        if self.ok:
+            return head + "\nOK: every check holds"
+        return head + f"\nFAILED: {len(self.problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+
+def _lengths(column) -> np.ndarray:
+    arr = column.combine_chunks()
+    return np.diff(arr.offsets.to_numpy())
+
+
+def _check_shard(store: Store, rel: str, expected: dict, report: Report, ids: Counter) -> None:
+    try:
+        with store.fs.open(store.path(rel), "rb") as f:
+            table = pq.read_table(f)
+        meta = read_layout(table.schema)
+    except Exception as e:  # any reader failure is a finding, not a crash of the scan
+        report.problems.append(f"{rel}: cannot be read ({type(e).__name__}: {e})")
+        return
+    for key in ("aux_layers", "hidden_size", "encoding", "last_hidden_state_rows"):
+        if meta.get(key, "all" if key == "last_hidden_state_rows" else None) != expected.get(key):
+            report.problems.append(f"{rel}: metadata {key}={meta.get(key)!r}, manifest says {expected.get(key)!r}")
+    sids = table["sample_id"].to_pylist()
+    ids.update(sids)
+    if shard_name(sids) != rel:
+        report.problems.append(f"{rel}: name does not match the sample ids it holds (copied or renamed shard?)")
+    n = table["num_tokens"].to_numpy()
+    mask_sums = np.array([int(np.sum(m)) for m in table["loss_mask"].to_numpy(zero_copy_only=False)])
+    last_rows = mask_sums if meta.get("last_hidden_state_rows") == "masked" else n
+    h, w = meta["hidden_size"], meta["aux_width"]
+    for name, want in (("input_ids", n), ("loss_mask", n), ("aux_hidden_states", n * w), ("last_hidden_state", last_rows * h)):
+        bad = np.flatnonzero(_lengths(table[name]) != want)
+        for i in bad[:3]:
+            report.problems.append(f"{rel}: sample {sids[i]} {name} has {_lengths(table[name])[i]} values, expected {want[i]}")
+    report.shards += 1
+    report.samples += table.num_rows
+    report.tokens += int(n.sum())
+    report.bytes += store.size(rel)
+
+
+def verify(output: str) -> Report:
+    store = Store(output)
+    report = Report()
+    manifest = read_manifest(store)
+    if manifest is None:
+        report.problems.append("no manifest.json")
+        return report
+    expected = {**manifest["data_settings"], "aux_layers": manifest["aux_layers"], "hidden_size": manifest["hidden_size"]}
+    ids: Counter = Counter()
+    for rel in list_shards(store):
+        _check_shard(store, rel, expected, report, ids)
+    dups = [sid for sid, c in ids.items() if c > 1]
+    if dups:
+        report.problems.append(f"{len(dups)} sample_id(s) in more than one shard, e.g. {dups[:3]}")
+    error_ids = set()
+    for rel in store.list(ERROR_DIR, ".jsonl"):
+        if rel != DUPLICATES:
+            error_ids.update(json.loads(line)["sample_id"] for line in store.read_bytes(rel).decode().splitlines() if line.strip())
+    both = sorted(error_ids & set(ids))
+    if both:
+        report.problems.append(f"{len(both)} sample_id(s) both in a shard and in errors/, e.g. {both[:3]}")
+    totals = manifest.get("totals") or {}
+    if manifest.get("status") != "complete":
+        report.problems.append(f"manifest status is {manifest.get('status')!r}: the last run did not finish; rerun to resume")
+    for key, have in (("samples_ok", report.samples), ("tokens", report.tokens), ("bytes", report.bytes), ("shards", report.shards)):
+        if totals.get(key) != have:
+            report.problems.append(f"manifest totals.{key}={totals.get(key)} but the shards hold {have}")
+    if totals and totals.get("accounted") != totals.get("input_rows"):
+        report.problems.append(f"manifest accounts for {totals.get('accounted')} of {totals.get('input_rows')} input rows")
+    return report
