@@ -131,9 +131,6 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
 
 def run(cfg: HarvestConfig) -> dict:
     import ray
-    import ray.data
-
-    from actors.extractor import HiddenStateExtractor
 
     plan = make_plan(cfg, ray.cluster_resources().get("GPU", 0))
     store = Store(cfg.output.path)
@@ -165,25 +162,10 @@ def run(cfg: HarvestConfig) -> dict:
 
     check_budget(store, plan.layout, todo_tokens, todo_masked, cfg.output.check_free_space)
 
-    skip_sources = set(dups)
-    todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
-    results = todo.map_batches(
-        HiddenStateExtractor,
-        fn_constructor_kwargs=extractor_kwargs(cfg, plan),
-        batch_size=cfg.extract.batch_size,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors),
-        num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
-        num_cpus=cfg.engine.cpus_per_actor,
-    )
     progress = Progress(todo_rows, todo_tokens, cfg.progress.interval_s)
-    progress.maybe_log(force=True)
     reasons: Counter = Counter()
-    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
-        progress.update(batch["status"].to_pylist(), batch["num_tokens"].to_pylist(), batch["bytes"].to_pylist())
-        reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), batch["status"].to_pylist()) if st != "ok")
-        progress.maybe_log()
-    progress.maybe_log(force=True)
+    if todo_rows:
+        _extract(cfg, plan, tokenized, set(dups), done, progress, reasons)
 
     totals = committed_totals(store)
     totals["filtered"] += len(dups)
@@ -195,6 +177,31 @@ def run(cfg: HarvestConfig) -> dict:
     }  # fmt: skip
     write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=last_run))
     return {"totals": totals, "this_run": progress, "reasons": reasons.most_common(5), "output": store.display()}
+
+
+def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done: set, progress: Progress, reasons: Counter) -> None:
+    """Map the remaining samples onto the actor pool; consume only their metadata rows here."""
+    import ray.data
+
+    from actors.extractor import HiddenStateExtractor
+
+    todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
+    results = todo.map_batches(
+        HiddenStateExtractor,
+        fn_constructor_kwargs=extractor_kwargs(cfg, plan),
+        batch_size=cfg.extract.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors),
+        num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
+        num_cpus=cfg.engine.cpus_per_actor,
+    )
+    progress.maybe_log(force=True)
+    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
+        statuses = batch["status"].to_pylist()
+        progress.update(statuses, batch["num_tokens"].to_pylist(), batch["bytes"].to_pylist())
+        reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), statuses) if st != "ok")
+        progress.maybe_log()
+    progress.maybe_log(force=True)
 
 
 def provenance(plan: Plan) -> dict:

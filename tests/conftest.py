@@ -44,7 +44,36 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def s3_endpoint():
+    """A real S3 HTTP endpoint (moto's server) on 127.0.0.1, set in the standard AWS environment.
+
+    Started before Ray so that Ray's workers inherit the endpoint and the (fake) credentials.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    env = {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "hh-test-key",
+        "AWS_SECRET_ACCESS_KEY": "hh-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield url
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_endpoint):
     import ray
 
     ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
@@ -70,6 +99,11 @@ def e2e_config(input_path, output_path, **sets):
         "progress.interval_s=2",
     ] + [f"{k}={v}" for k, v in sets.items()]
     return load_config(REPO_ROOT / "conf" / "default.yaml", overrides)
+
+
+@pytest.fixture(scope="session")
+def make_config():
+    return e2e_config
 
 
 @pytest.fixture(scope="session")
