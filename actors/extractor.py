@@ -14,6 +14,7 @@ import time
 
 import pyarrow as pa
 
+from actors.metrics import ExtractorMetrics
 from actors.sglang_engine import SGLangEngine
 from actors.validate import check_capture
 from pipeline.shards import CapturedSample, ShardLayout, write_shard
@@ -46,6 +47,7 @@ class HiddenStateExtractor:
         self.layout = layout
         self.retries = retries
         self.store = Store(output_url)
+        self.metrics = ExtractorMetrics()
         self.engine = SGLangEngine(**engine_kwargs).start()
 
     def close(self) -> None:
@@ -95,6 +97,7 @@ class HiddenStateExtractor:
                 results.append(_result(sid, e["status"], e["stage"], e["reason"], len(r["input_ids"])))
         for s, share in zip(samples, shares):
             results.append(_result(s.sample_id, "ok", "", "", len(s.input_ids), share, shard, latency.get(s.sample_id, 0.0)))
+        self.metrics.record(results)
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
     def _capture(self, todo: dict[str, dict]):

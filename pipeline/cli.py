@@ -15,9 +15,11 @@ def _setup_logging() -> None:
 
 
 def _init_ray(cfg) -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray Data's per-operator progress in non-interactive logs (ray job logs), at the job's interval.
+    os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", str(max(1, int(cfg.progress.interval_s))))
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"log_to_driver": True}
     if address:
@@ -27,9 +29,8 @@ def _init_ray(cfg) -> None:
         if cfg.ray.object_store_memory_mb:
             kwargs["object_store_memory"] = cfg.ray.object_store_memory_mb * 2**20
     ray.init(**kwargs)
-    ctx = ray.data.DataContext.get_current()
-    # Per-operator progress in non-interactive logs (ray job logs) rather than a TTY bar.
-    ctx.enable_progress_bars = sys.stderr.isatty()
+    # Bars on a terminal; elsewhere the logged per-operator lines above.
+    ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
 
 
 def cmd_run(args) -> int:

@@ -186,6 +186,9 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
     from actors.extractor import HiddenStateExtractor
 
     todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
+    # One block per actor batch: every actor gets work, and each committed shard reports back at once
+    # (a large block would run on one actor and return all its metadata rows at the end).
+    todo = todo.repartition(target_num_rows_per_block=cfg.extract.batch_size, strict=True)
     results = todo.map_batches(
         HiddenStateExtractor,
         fn_constructor_kwargs=extractor_kwargs(cfg, plan),

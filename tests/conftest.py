@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tests_support import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT / "conf" / "data" / "sample_conversations.jsonl"
@@ -76,7 +77,13 @@ def s3_endpoint():
 def ray_session(s3_endpoint):
     import ray
 
-    ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        object_store_memory=300 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=free_ports(1)[0],
+    )
     yield ray
     ray.shutdown()
 
