@@ -174,6 +174,8 @@ def run(cfg: HarvestConfig) -> dict:
     last_run = {
         "samples_ok": progress.ok, "errors": progress.errors, "tokens": progress.tokens, "bytes": progress.bytes,
         "extract_seconds": round(progress.elapsed(), 3), "tokens_per_second": round(progress.tokens / max(progress.elapsed(), 1e-9), 1),
+        "first_result_seconds": round(progress.first_result_at - progress.started, 3) if progress.first_result_at else None,
+        "steady_tokens_per_second": round(progress.steady_tokens_per_second() or 0.0, 1),
     }  # fmt: skip
     write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=last_run))
     return {"totals": totals, "this_run": progress, "reasons": reasons.most_common(5), "output": store.display()}

@@ -36,11 +36,16 @@ class Progress:
     filtered: int = 0
     tokens: int = 0  # tokens of samples committed this run
     bytes: int = 0  # exact committed shard bytes this run
-    processed_tokens: int = 0  # tokens of every row handled, whatever its status (drives the ETA)
+    processed_tokens: int = 0
+    last_result_at: float = 0.0  # tokens of every row handled, whatever its status (drives the ETA)
     started: float = field(default_factory=time.monotonic)
+    # When the first results arrived: the rate after it excludes engine start-up (steady state).
+    first_result_at: float | None = None
+    tokens_at_first: int = 0
     _last_log: float = 0.0
 
     def update(self, statuses, num_tokens, nbytes) -> None:
+        first = self.first_result_at is None
         for status, n, b in zip(statuses, num_tokens, nbytes):
             self.done += 1
             if status == "ok":
@@ -52,6 +57,15 @@ class Progress:
             else:
                 self.errors += 1
         self.processed_tokens += sum(num_tokens)
+        if first:
+            self.first_result_at, self.tokens_at_first = time.monotonic(), self.tokens
+        self.last_result_at = time.monotonic()
+
+    def steady_tokens_per_second(self) -> float | None:
+        """Committed tok/s between the first and the last result (None before two results)."""
+        if self.first_result_at is None or self.last_result_at <= self.first_result_at:
+            return None
+        return (self.tokens - self.tokens_at_first) / (self.last_result_at - self.first_result_at)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
