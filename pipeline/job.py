@@ -138,7 +138,7 @@ def run(cfg: HarvestConfig) -> dict:
     check_settings(existing, plan.settings)
     store.clean_temporaries(SHARD_DIR)
     store.clean_temporaries(ERROR_DIR)
-    manifest = base_manifest(cfg.output.path, plan.settings, provenance(plan), cfg.model_dump(mode="json"))
+    manifest = base_manifest(cfg.output.path, plan.settings, provenance(cfg, plan), cfg.model_dump(mode="json"))
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
 
     tokenized = tokenized_dataset(cfg, plan).materialize()
@@ -209,7 +209,12 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
     progress.maybe_log(force=True)
 
 
-def provenance(plan: Plan) -> dict:
+def provenance(cfg: HarvestConfig, plan: Plan) -> dict:
+    from actors.sglang_server import ServerSpec, build_command
+
+    spec = ServerSpec(dump_dir=Path("DUMP_DIR"), **extractor_kwargs(cfg, plan)["engine_kwargs"]["spec_without_dump"])
+    flags = build_command(spec, port=0)[3:]  # without the interpreter and `-m sglang.launch_server`
+
     def version(pkg: str) -> str:
         try:
             return importlib.metadata.version(pkg)
@@ -218,7 +223,7 @@ def provenance(plan: Plan) -> dict:
 
     return {
         "model": {"path": str(plan.model_dir), "name": plan.model_dir.name},
-        "engine": {"name": "sglang", "version": version("sglang"), "device": "cuda" if plan.cuda else "cpu"},
+        "engine": {"name": "sglang", "version": version("sglang"), "device": "cuda" if plan.cuda else "cpu", "flags": flags},
         "software": {p: version(p) for p in ("hidden-harvest", "ray", "pyarrow", "torch", "transformers")},
         "aux_layers": list(plan.layout.aux_layers),
         "hidden_size": plan.layout.hidden_size,
