@@ -79,7 +79,8 @@ def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
         ),
         batch_format="pyarrow",
         batch_size=256,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=1),
+        # Tokenizing is CPU-bound and cheap next to extraction; a few actors keep it off the critical path.
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4),
     )  # fmt: skip
 
 

@@ -25,7 +25,8 @@ class Store:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
-        self.local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protocols
 
     def path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root
@@ -69,7 +70,8 @@ class Store:
         """Committed files under rel_dir (relative names, sorted); temporaries are not listed."""
         base = self.path(rel_dir)
         try:
-            entries = self.fs.ls(base, detail=False, refresh=True) if not self.local else self.fs.ls(base, detail=False)
+            # refresh: s3fs caches listings, and resume must see shards committed since.
+            entries = self.fs.ls(base, detail=False) if self.local else self.fs.ls(base, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         names = sorted(posixpath.basename(e.rstrip("/")) for e in entries)
