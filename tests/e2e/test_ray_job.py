@@ -68,8 +68,13 @@ def test_ray_job_submit_runs_the_default_job(ray_head, e2e_input, tmp_path):
         "harvest", "run", "conf/default.yaml", "--set", f"input.path={e2e_input}", "--set", f"output.path={out}",
         "--set", "extract.batch_size=8", "--set", "progress.interval_s=2",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    log = proc.stdout + proc.stderr
+    # The job API answers before the head's agent has registered; Ray then says to try again later.
+    for _ in range(20):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        log = proc.stdout + proc.stderr
+        if "No available agent to submit job" not in log:
+            break
+        time.sleep(3)
     assert proc.returncode == 0, log[-4000:]
     assert "succeeded" in log
     assert "input rows" in log and "tok/s" in log and "written" in log  # the job's status lines reach job logs

@@ -1,0 +1,66 @@
+"""The engine wrapper against a real SGLang server: realignment by id, truncation traps, restart, close."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from actors.sglang_engine import SGLangEngine
+from actors.validate import check_capture
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = SGLangEngine(
+        {"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "startup_timeout_s": 600},
+        max_in_flight=4,
+        request_timeout_s=300,
+    )
+    eng.start()
+    yield eng
+    eng.close()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 49000 + 100 for i in range(n)]
+
+
+def test_results_are_realigned_by_id_and_repeats_are_not_truncated(engine):
+    requests = {"long": _ids(900, 1), "short": _ids(5, 2), "mid": _ids(300, 3)}
+    # The same prompt twice: with a prefix cache the second would come back as its uncached suffix only.
+    requests["mid-again"] = list(requests["mid"])
+    results = engine.capture(list(requests.items()))
+    assert set(results) == set(requests)
+    for key, ids in requests.items():
+        res = results[key]
+        assert res.error is None, res.error
+        assert check_capture(res.capture, ids, 3 * 576, 576) is None
+        assert res.capture.header["prefix_len"] == 0 and res.capture.aux.shape == (len(ids), 3 * 576)
+    assert (results["mid"].capture.aux == results["mid-again"].capture.aux).all()
+    assert not [p for p in engine.spec.dump_dir.iterdir() if p.suffix == ".hhd"]  # every dump consumed
+
+
+def test_a_killed_server_is_restarted(engine):
+    old_pid = engine.server._proc.pid
+    os.killpg(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while engine.healthy() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine.healthy()
+    engine.ensure_alive()
+    assert engine.healthy() and engine.server._proc.pid != old_pid
+    res = engine.capture([("after", _ids(50, 4))])["after"]
+    assert res.error is None and check_capture(res.capture, _ids(50, 4), 3 * 576, 576) is None
+
+
+def test_close_stops_the_server_and_removes_dumps(model_dir):
+    eng = SGLangEngine({"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True}, 2, 120).start()
+    proc, dump_dir = eng.server._proc, eng.spec.dump_dir
+    eng.close()
+    assert proc.poll() is not None
+    assert not dump_dir.exists()
