@@ -7,7 +7,6 @@ except as a committed shard. A failing sample becomes an error row; a dead engin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -17,7 +16,8 @@ import pyarrow as pa
 from actors.metrics import ExtractorMetrics
 from actors.sglang_engine import SGLangEngine
 from actors.validate import check_capture
-from pipeline.shards import CapturedSample, ShardLayout, write_shard
+from pipeline.manifest import ERROR_DIR
+from pipeline.shards import CapturedSample, ShardLayout, ids_digest, write_shard
 from pipeline.storage import Store
 
 logger = logging.getLogger(__name__)
@@ -35,11 +35,6 @@ RESULT_SCHEMA = pa.schema(
         ("latency_s", pa.float64()),
     ]
 )
-ERROR_DIR = "errors"
-
-
-def batch_digest(sample_ids: list[str]) -> str:
-    return hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
 
 
 class HiddenStateExtractor:
@@ -51,15 +46,15 @@ class HiddenStateExtractor:
         self.engine = SGLangEngine(**engine_kwargs).start()
 
     def close(self) -> None:
-        self.engine.close()
+        engine = getattr(self, "engine", None)  # absent when __init__ failed before the engine started
+        if engine is not None:
+            engine.close()
 
     def __del__(self):
         # Ray Data's only teardown hook for a callable-class stage: it drops the UDF on graceful actor
         # exit. The engine's lifecycle stays explicit (close()); this just calls it. Forced kills are
         # covered by the server's parent-death signal.
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.close()
+        self.close()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         missing = [c for c in REQUIRED_COLUMNS if c not in batch.column_names]
@@ -79,7 +74,7 @@ class HiddenStateExtractor:
                 error_rows.append({"sample_id": sid, "source": r["source"], "status": "error", "stage": "extract",
                                    "reason": failed[sid]})  # fmt: skip
 
-        digest = batch_digest([r["sample_id"] for r in rows])
+        digest = ids_digest([r["sample_id"] for r in rows])
         if error_rows:
             body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in error_rows)
             self.store.write_bytes(f"{ERROR_DIR}/part-{digest}.jsonl", body.encode())

@@ -73,10 +73,14 @@ class CapturedSample:
     last: np.ndarray  # uint16 [T, H]
 
 
+def ids_digest(sample_ids: list[str]) -> str:
+    """Order-independent digest of a set of sample ids: names shards and error files deterministically."""
+    return hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
+
+
 def shard_name(sample_ids: list[str]) -> str:
     """Deterministic: the same set of samples always lands in the same file name."""
-    digest = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
-    return f"{SHARD_DIR}/part-{digest}.parquet"
+    return f"{SHARD_DIR}/part-{ids_digest(sample_ids)}.parquet"
 
 
 def _flat_list(arrays: list[np.ndarray]) -> pa.ListArray:

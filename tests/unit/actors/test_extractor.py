@@ -2,7 +2,8 @@ import random
 
 import pytest
 
-from actors.extractor import _split_exact, batch_digest
+from actors.extractor import _split_exact
+from pipeline.shards import ids_digest as batch_digest
 from pipeline.shards import shard_name
 
 
