@@ -9,11 +9,9 @@ has died raises EngineDied so the caller can restart it (or fail the actor).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,9 +47,7 @@ class SGLangEngine:
         self.request_timeout_s = request_timeout_s
         self.server = SGLangServer(self.spec)
         self._tag = uuid.uuid4().hex[:12]
-        # The stage may call capture() from several threads at once (one per batch in flight).
-        self._rids = itertools.count(1)
-        self._lifecycle = threading.Lock()
+        self._counter = 0
 
     def start(self) -> SGLangEngine:
         self.server.start()
@@ -77,7 +73,8 @@ class SGLangEngine:
 
     def _next_rid(self) -> str:
         # Unique per attempt: a retry never reads a dump left by an earlier attempt.
-        return f"{RID_PREFIX}{self._tag}-{next(self._rids)}"
+        self._counter += 1
+        return f"{RID_PREFIX}{self._tag}-{self._counter}"
 
     def capture(self, requests: list[tuple[str, list[int]]]) -> dict[str, RequestResult]:
         jobs = [(key, ids, self._next_rid()) for key, ids in requests]
@@ -122,6 +119,5 @@ class SGLangEngine:
 
     def ensure_alive(self) -> None:
         """Restart a dead server; restart() raises EngineDied when the new one does not come up."""
-        with self._lifecycle:  # two batches noticing the same death restart it once
-            if not self.server.healthy():
-                self.restart()
+        if not self.server.healthy():
+            self.restart()

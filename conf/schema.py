@@ -39,9 +39,6 @@ class EngineConfig(_Strict):
     num_actors: int = Field(1, ge=1)
     # Requests one actor keeps in flight against its server.
     max_in_flight: int = Field(8, ge=1)
-    # Batches one actor works on at once (threads): one is captured while another's shard is written,
-    # so the server is not left idle during writes.
-    batches_per_actor: int = Field(2, ge=1)
     # CPUs Ray reserves per actor (the server's threads come on top).
     cpus_per_actor: float = Field(1.0, gt=0)
     # CPU mode only: threads the server's torch may use (None: this host's cores / num_actors).

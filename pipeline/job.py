@@ -197,11 +197,7 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
         fn_constructor_kwargs=extractor_kwargs(cfg, plan),
         batch_size=cfg.extract.batch_size,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(
-            size=cfg.engine.num_actors,
-            max_concurrent_calls_per_actor=cfg.engine.batches_per_actor,
-            enable_true_multi_threading=cfg.engine.batches_per_actor > 1,
-        ),
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors),
         num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
         num_cpus=cfg.engine.cpus_per_actor,
     )
