@@ -79,7 +79,9 @@ def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM the server when the process that started it dies.
 
     A Ray actor killed by force never runs its teardown; without this its server would live on.
-    (SGLang's own children already die with the server.)
+    (SGLang's own children already die with the server.) Linux sends the signal when the *thread*
+    that forked exits, so start() must run on a thread that lives as long as the server: the actor's
+    main thread (the stage runs one batch at a time for this reason).
     """
     try:
         import ctypes
