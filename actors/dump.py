@@ -1,28 +1,85 @@
-"""Reads the per-request dump files written by the SGLang hook (patches/sglang/*/hidden_harvest_hook.py).
+"""Reads the per-request dumps written by the SGLang hook (patches/sglang/*/hidden_harvest_hook.py).
 
-Layout: 8-byte little-endian header length, a JSON header, the aux block [T, K*H] and the final
-block [T, H] as raw bf16 bits. Kept next to the writer's description in patches/README.md.
+Layout: 8-byte little-endian header length, a JSON header, then the aux planes [2, K*H, T] and the final
+planes [2, H, T] as uint8 (bf16 bits split into a low and a high byte plane, channel-major: the layout the
+shard codec stores, pipeline/codec.py).
+
+`read_dump` reads and checks only the header and the file size, and keeps the file open: the engine unlinks
+the dump at once (the open descriptor keeps its bytes), validation needs nothing more, and the body is read
+by whichever encoder thread takes the sample, into memory from Arrow's pool (reused, already touched), in
+one system call. Nothing big happens on the thread that serves requests.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
+from pipeline.codec import from_planes
 
-@dataclass
-class Capture:
-    header: dict
-    aux: np.ndarray  # uint16 [T, K*H]
-    last: np.ndarray  # uint16 [T, H]
+_MAX_HEADER = 1 << 20
 
 
 class DumpError(ValueError):
     pass
+
+
+class Capture:
+    def __init__(self, header: dict, fd: int | None, offset: int, body: np.ndarray | None = None):
+        self.header = header
+        self._fd = fd
+        self._offset = offset
+        self._body = body
+        self._lock = threading.Lock()
+        (t, wa), (_, wl) = header["aux_shape"], header["last_shape"]
+        self.aux_shape, self.last_shape = (2, wa, t), (2, wl, header["last_shape"][0])
+
+    def _load(self) -> np.ndarray:
+        with self._lock:
+            if self._body is None:
+                size = 2 * (int(np.prod(self.aux_shape[1:])) + int(np.prod(self.last_shape[1:])))
+                buf = pa.allocate_buffer(size)
+                try:
+                    got = os.preadv(self._fd, [buf], self._offset)
+                finally:
+                    self.close()
+                if got != size:
+                    raise DumpError(f"dump for {self.header.get('rid')} shrank while being read ({got} of {size} bytes)")
+                self._body = np.frombuffer(buf, np.uint8)
+            return self._body
+
+    @property
+    def aux(self) -> np.ndarray:
+        """uint8 planes [2, K*H, T] (reads the body on first use)."""
+        n = int(np.prod(self.aux_shape))
+        return self._load()[:n].reshape(self.aux_shape)
+
+    @property
+    def last(self) -> np.ndarray:
+        """uint8 planes [2, H, T]."""
+        n = int(np.prod(self.aux_shape))
+        return self._load()[n:].reshape(self.last_shape)
+
+    def bits(self) -> tuple[np.ndarray, np.ndarray]:
+        """uint16 bf16 bits [T, K*H] and [T, H] (for tests and comparisons; the job never needs them)."""
+        return from_planes(self.aux), from_planes(self.last)
+
+    def close(self) -> None:
+        """Release the file (and with it a dump already unlinked); safe to call twice."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def release(self) -> None:
+        """Drop the file and the body read from it, once the sample is encoded or rejected."""
+        self.close()
+        self._body = None
 
 
 def dump_path(dump_dir: Path, rid: str) -> Path:
@@ -30,18 +87,25 @@ def dump_path(dump_dir: Path, rid: str) -> Path:
 
 
 def read_dump(path: Path) -> Capture:
-    data = path.read_bytes()
-    if len(data) < 8:
-        raise DumpError(f"dump {path.name} is truncated")
-    (n,) = struct.unpack_from("<Q", data, 0)
-    if len(data) < 8 + n or (len(data) - 8 - n) % 2:
-        raise DumpError(f"dump {path.name} is truncated ({len(data)} bytes)")
+    """Open a dump, parse and check its header against its size; the body is read later (Capture.aux/.last)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        header = json.loads(data[8 : 8 + n])
-    except ValueError as e:
-        raise DumpError(f"dump {path.name} has an unreadable header: {e}") from None
-    body = np.frombuffer(data, dtype=np.uint16, offset=8 + n)
-    (ta, wa), (tl, wl) = header["aux_shape"], header["last_shape"]
-    if body.size != ta * wa + tl * wl:
-        raise DumpError(f"dump {path.name} holds {body.size} values, header says {ta * wa + tl * wl}")
-    return Capture(header, body[: ta * wa].reshape(ta, wa), body[ta * wa :].reshape(tl, wl))
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise DumpError(f"dump {path.name} is truncated")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or size < 8 + n:
+            raise DumpError(f"dump {path.name} is truncated ({size} bytes)")
+        try:
+            header = json.loads(os.pread(fd, n, 8))
+            (ta, wa), (tl, wl) = header["aux_shape"], header["last_shape"]
+            want = 2 * (int(ta) * int(wa) + int(tl) * int(wl))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DumpError(f"dump {path.name} has an unreadable header: {e}") from None
+        if size - 8 - n != want:
+            raise DumpError(f"dump {path.name} holds {size - 8 - n} bytes, header says {want}")
+        return Capture(header, fd, 8 + n)
+    except BaseException:
+        os.close(fd)
+        raise

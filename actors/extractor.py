@@ -1,15 +1,23 @@
 """The Ray Data stage that owns an engine replica: tokens in, committed shards and metadata rows out.
 
-Per batch: capture every ok sample (bounded retries), validate it, commit one shard and one error
-file, and return one small metadata row per input row. Hidden states never leave this actor
-except as a committed shard. A failing sample becomes an error row; a dead engine raises.
+Per batch: capture every ok sample (bounded retries), validate it, encode it, commit one shard and one
+error file, and return one small metadata row per input row. Hidden states never leave this actor except
+as a committed shard. A failing sample becomes an error row; a dead engine raises.
+
+The overlap is one small bounded pipeline: Ray Data runs up to `engine.batches_per_actor` calls of this
+stage at once on threads of the actor (job.py). Their requests share the engine's one in-flight window,
+so while one batch encodes and commits its shard the next keeps the server busy; within a call each
+sample goes to a shared pool of `output.encode_threads` encoders as soon as its capture is validated.
+Memory is bounded by batches_per_actor x batch_size samples.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import pyarrow as pa
 
@@ -17,7 +25,7 @@ from actors.metrics import ExtractorMetrics
 from actors.sglang_engine import SGLangEngine
 from actors.validate import check_capture
 from pipeline.manifest import ERROR_DIR
-from pipeline.shards import CapturedSample, ShardLayout, ids_digest, write_shard
+from pipeline.shards import ShardLayout, encode_sample, ids_digest, write_shard
 from pipeline.storage import Store
 
 logger = logging.getLogger(__name__)
@@ -38,17 +46,21 @@ RESULT_SCHEMA = pa.schema(
 
 
 class HiddenStateExtractor:
-    def __init__(self, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int):
+    def __init__(self, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int, encode_threads: int | None = None):
         self.layout = layout
         self.retries = retries
         self.store = Store(output_url)
         self.metrics = ExtractorMetrics()
+        self.pool = ThreadPoolExecutor(encode_threads or min(16, os.cpu_count() or 1), thread_name_prefix="encode")
         self.engine = SGLangEngine(**engine_kwargs).start()
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)  # absent when __init__ failed before the engine started
         if engine is not None:
             engine.close()
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def __del__(self):
         # Ray Data's only teardown hook for a callable-class stage: it drops the UDF on graceful actor
@@ -82,7 +94,7 @@ class HiddenStateExtractor:
         samples = [captured[sid] for sid in todo if sid in captured]
         if samples:
             shard, shard_bytes = write_shard(self.store, samples, self.layout)
-        shares = _split_exact(shard_bytes, [len(s.input_ids) for s in samples])
+        shares = _split_exact(shard_bytes, [s.nbytes for s in samples])
 
         errors_by_id = {e["sample_id"]: e for e in error_rows}
         for r in rows:
@@ -96,7 +108,7 @@ class HiddenStateExtractor:
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
     def _capture(self, todo: dict[str, dict]):
-        captured: dict[str, CapturedSample] = {}
+        encoding: dict[str, Future] = {}
         failed: dict[str, str] = {}
         latency: dict[str, float] = {}
         pending = list(todo)
@@ -104,22 +116,32 @@ class HiddenStateExtractor:
             if not pending:
                 break
             self.engine.ensure_alive()
-            results = self.engine.capture([(sid, todo[sid]["input_ids"]) for sid in pending])
+            futures = [self.engine.submit(sid, todo[sid]["input_ids"]) for sid in pending]
             pending = []
-            for sid, res in results.items():
-                row = todo[sid]
+            for fut in as_completed(futures):  # each sample is encoded while the others are still being captured
+                res = fut.result()
+                sid, row = res.key, todo[res.key]
                 reason = res.error or check_capture(res.capture, row["input_ids"], self.layout.aux_width, self.layout.hidden_size)
                 if reason is None:
-                    captured[sid] = CapturedSample(sid, row["input_ids"], row["loss_mask"], res.capture.aux, res.capture.last)
+                    encoding[sid] = self.pool.submit(self._encode, sid, row, res.capture)
                     latency[sid] = res.latency_s
                     failed.pop(sid, None)
                 else:
+                    if res.capture is not None:
+                        res.capture.release()
                     failed[sid] = f"{reason} (after {attempt + 1} attempts)"
                     pending.append(sid)
             if pending:
                 logger.warning("attempt %d: %d of %d samples failed, e.g. %s", attempt + 1, len(pending), len(todo), failed[pending[0]])
                 time.sleep(min(2.0**attempt, 10.0))
-        return captured, failed, latency
+        return {sid: f.result() for sid, f in encoding.items()}, failed, latency
+
+
+    def _encode(self, sid: str, row: dict, cap):
+        try:  # the dump's body is read here, on an encoder thread
+            return encode_sample(sid, row["input_ids"], row["loss_mask"], cap.aux, cap.last, self.layout)
+        finally:
+            cap.release()  # memory stays flat: only the encoded sample lives on until the shard is written
 
 
 def _split_exact(total: int, weights: list[int]) -> list[int]:

@@ -1,19 +1,24 @@
-"""The SGLang engine replica an actor owns: a server subprocess plus a concurrent request client.
+"""The SGLang engine replica an actor owns: a server subprocess plus a continuous request stream.
 
-`capture(requests)` sends every request at once under a bounded in-flight window, each with its own
-request id, and reads back exactly the dump the hook wrote for that id. Results are realigned by
-key, never by position or arrival order. Per-request problems come back as reasons; a server that
-has died raises EngineDied so the caller can restart it (or fail the actor).
+`submit(ids)` may be called from any thread at any time: requests from every batch the actor holds share
+one bounded in-flight window, so the server never drains at a batch boundary. Each request goes out with
+its own request id; its result is exactly the dump the hook published for that id (opened, then
+unlinked; the body is read by the encoder). Results are matched by id, never by position or arrival order. Per-request problems come back
+as reasons; a server that has died raises EngineDied from `ensure_alive` so the caller can retry (or fail
+the actor).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,25 +45,49 @@ def default_dump_root() -> Path:
 
 
 class SGLangEngine:
-    def __init__(self, spec_without_dump: dict, max_in_flight: int, request_timeout_s: float):
+    def __init__(self, spec_without_dump: dict, max_in_flight: int, request_timeout_s: float, dump_timeout_s: float = 30.0):
         self._dump_dir = Path(tempfile.mkdtemp(prefix="hidden-harvest-", dir=default_dump_root()))
         self.spec = ServerSpec(dump_dir=self._dump_dir, **spec_without_dump)
         self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s
+        # The hook publishes a dump from its writer thread, so it may land just after the HTTP answer.
+        self.dump_timeout_s = dump_timeout_s
         self.server = SGLangServer(self.spec)
         self._tag = uuid.uuid4().hex[:12]
         self._counter = 0
+        self._lock = threading.Lock()  # rid counter and server restarts, from any caller thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> SGLangEngine:
         self.server.start()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-requests", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._open_session(), self._loop).result()
         return self
+
+    async def _open_session(self) -> None:
+        self._sem = asyncio.Semaphore(self.max_in_flight)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
 
     def restart(self) -> None:
         logger.warning("restarting SGLang server; last log lines:\n%s", self.server.log_tail(20))
         self.server.close()
         self.server.start()
 
+    def ensure_alive(self) -> None:
+        """Restart a dead server (once, whichever thread sees it first); raises EngineDied if it stays down."""
+        with self._lock:
+            if not self.server.healthy():
+                self.restart()
+
     def close(self) -> None:
+        if self._loop is not None and self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._loop = None
         self.server.close()
         shutil.rmtree(self._dump_dir, ignore_errors=True)
 
@@ -73,31 +102,32 @@ class SGLangEngine:
 
     def _next_rid(self) -> str:
         # Unique per attempt: a retry never reads a dump left by an earlier attempt.
-        self._counter += 1
-        return f"{RID_PREFIX}{self._tag}-{self._counter}"
+        with self._lock:
+            self._counter += 1
+            return f"{RID_PREFIX}{self._tag}-{self._counter}"
+
+    def submit(self, key: str, ids: list[int]) -> Future:
+        """Queue one request; the Future gives its RequestResult. Thread-safe."""
+        if self._loop is None:
+            raise EngineDied("engine is not started")
+        return asyncio.run_coroutine_threadsafe(self._capture_one(key, ids, self._next_rid()), self._loop)
 
     def capture(self, requests: list[tuple[str, list[int]]]) -> dict[str, RequestResult]:
-        jobs = [(key, ids, self._next_rid()) for key, ids in requests]
-        results = asyncio.run(self._capture_all(jobs))
-        return {r.key: r for r in results}
+        """Every request at once under the window; results keyed by the caller's key."""
+        futures = [self.submit(key, ids) for key, ids in requests]
+        return {r.key: r for r in (f.result() for f in as_completed(futures))}
 
-    async def _capture_all(self, jobs) -> list[RequestResult]:
-        sem = asyncio.Semaphore(self.max_in_flight)
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            return await asyncio.gather(*(self._capture_one(session, sem, *job) for job in jobs))
-
-    async def _capture_one(self, session, sem, key: str, ids: list[int], rid: str) -> RequestResult:
+    async def _capture_one(self, key: str, ids: list[int], rid: str) -> RequestResult:
         payload = {
             "input_ids": ids,
             "rid": rid,
             # One new token: the prefill pass carries every prompt position; no decode pass follows.
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         }
-        async with sem:
+        async with self._sem:
             t0 = time.monotonic()
             try:
-                async with session.post(f"{self.server.url}/generate", json=payload) as resp:
+                async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
                     body = await resp.read()
                     if resp.status != 200:
                         return RequestResult(key, None, f"server answered {resp.status}: {body[:200]!r}", 0.0)
@@ -105,19 +135,25 @@ class SGLangEngine:
                 return RequestResult(key, None, f"request failed: {type(e).__name__}: {e}", 0.0)
             latency = time.monotonic() - t0
         path = dump_path(self._dump_dir, rid)
+        if not await self._published(path):
+            return RequestResult(key, None, f"no hidden-state dump for request {rid} after {self.dump_timeout_s:.0f}s", latency)
         try:
             cap = read_dump(path)
-        except FileNotFoundError:
-            return RequestResult(key, None, f"no hidden-state dump for request {rid}", latency)
-        except (DumpError, ValueError) as e:
+        except (DumpError, OSError) as e:
             return RequestResult(key, None, f"unreadable dump: {e}", latency)
         finally:
-            path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)  # the open descriptor keeps the bytes until the sample is encoded
         if cap.header.get("rid") != rid:
+            cap.close()
             return RequestResult(key, None, f"dump for {rid} names request {cap.header.get('rid')}", latency)
         return RequestResult(key, cap, None, latency)
 
-    def ensure_alive(self) -> None:
-        """Restart a dead server; restart() raises EngineDied when the new one does not come up."""
-        if not self.server.healthy():
-            self.restart()
+    async def _published(self, path: Path) -> bool:
+        deadline = time.monotonic() + self.dump_timeout_s
+        delay = 0.001
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return True

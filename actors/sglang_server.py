@@ -75,22 +75,6 @@ class ServerSpec:
                 )
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM the server when the process that started it dies.
-
-    A Ray actor killed by force never runs its teardown; without this its server would live on.
-    (SGLang's own children already die with the server.) Linux sends the signal when the *thread*
-    that forked exits, so start() must run on a thread that lives as long as the server: the actor's
-    main thread (the stage runs one batch at a time for this reason).
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,6 +112,9 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
     extra = [str(p) for p in server_pythonpath(cpu=spec.cpu)]
     env["PYTHONPATH"] = os.pathsep.join(extra + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("HIDDEN_HARVEST_DUMP_DIR", None)
+    # The server's own watchdog (patches/) ends it when this process dies, whichever thread started it:
+    # a Ray actor killed by force never runs its teardown.
+    env["HIDDEN_HARVEST_PARENT_PID"] = str(os.getpid())
     if spec.capture:
         env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
         env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
@@ -160,7 +147,6 @@ class SGLangServer:
         try:
             self._proc = subprocess.Popen(
                 cmd, env=build_env(self.spec), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         finally:
             log.close()

@@ -1,12 +1,20 @@
-"""Throughput of the job against the bare SGLang server, measured in one run on the same tokens.
+"""Throughput of the job end to end against the bare SGLang server at its best concurrency, in one run.
 
-  python bench/bench_throughput.py [--config conf/default.yaml] [--limit N]
+  python bench/bench_throughput.py [--config conf/default.yaml] [--repeats R] [--limit N]
+                                   [--short-only | --shipped-only] [--job-set SECTION.KEY=VALUE ...]
+                                   [--out bench/results/throughput_cpu.json]
 
-1. bare:   the SGLang server with the job's truncation-safe flags but no aux capture and no hook,
-           fed the tokenized dataset with the job's in-flight window (max_new_tokens=1).
-2. hooked: the same server as the job starts it (aux capture + dump hook), same requests.
-3. job:    `harvest run` on the same config into a fresh output directory.
-Prints tok/s for each and the ratios hooked/bare and job/bare.
+Two prompt sets, each measured on the same samples:
+  shipped: the config's input, tokenized as the job does (pipeline.tokenize.Tokenize).
+  short:   N short pre-tokenized prompts (48..1024 tokens, fixed seed), windows cut from the token stream
+           of the shipped conversations' text, written as `{"id", "input_ids"}` rows to a temp JSONL.
+For each set:
+  bare: one ServerSpec(capture=False) server (no aux capture, no hook), a warm-up, then the in-flight
+        window swept over 8/16/32 with max_new_tokens=1; the baseline is the best window.
+  job:  `python -m pipeline.cli run <config>` with only input.path/output.path set (plus --job-set),
+        read from manifest.json's last_run: end to end over extraction, and steady state.
+ratio_vs_bare = job steady tok/s / best bare tok/s; ratio_vs_bare_end_to_end uses the end-to-end rate
+(it includes actor and server start-up). With --repeats R every figure is the median of R runs.
 """
 
 from __future__ import annotations
@@ -14,8 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime
 import json
 import os
+import platform
+import random
+import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,14 +36,21 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from actors.sglang_server import SGLangServer, ServerSpec  # noqa: E402
 from conf import load_config  # noqa: E402
 from pipeline.job import default_aux_layers  # noqa: E402
 from pipeline.model import num_hidden_layers, resolve_model  # noqa: E402
+from pipeline.normalize import BadRow, parse_line  # noqa: E402
 from pipeline.tokenize import Tokenize  # noqa: E402
+
+WINDOWS = (8, 16, 32)
+SHORT_MIN, SHORT_MAX = 48, 1024
+
 
 async def _send_all(url: str, samples: list[list[int]], window: int) -> float:
     sem = asyncio.Semaphore(window)
@@ -48,66 +68,181 @@ async def _send_all(url: str, samples: list[list[int]], window: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(spec: ServerSpec, samples, window: int) -> float:
+def bare_sweeps(spec: ServerSpec, samples: list[list[int]], repeats: int) -> list[dict[int, float]]:
+    """One bare server for all sweeps: [{window: tok/s}] per repeat."""
+    tokens = sum(map(len, samples))
+    sweeps = []
     with SGLangServer(spec) as server:
-        asyncio.run(_send_all(server.url, samples[:4], window))  # warm-up
-        return asyncio.run(_send_all(server.url, samples, window))
+        asyncio.run(_send_all(server.url, samples[:4], WINDOWS[0]))  # warm-up
+        for r in range(repeats):
+            sweep = {}
+            for w in WINDOWS:
+                sweep[w] = round(tokens / asyncio.run(_send_all(server.url, samples, w)), 1)
+                print(f"  bare run {r + 1}/{repeats} window {w}: {sweep[w]:,.0f} tok/s", flush=True)
+            sweeps.append(sweep)
+    return sweeps
+
+
+def run_job(config: str, input_path: str, job_set: list[str], label: str) -> dict:
+    """The job as a user runs it, into a fresh output; figures from manifest.json's last_run."""
+    with tempfile.TemporaryDirectory() as out:
+        # Passthrough first: the input and output paths set last always win.
+        sets = [*job_set, f"output.path={out}/o", f"input.path={input_path}"]
+        cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *(a for item in sets for a in ("--set", item))]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        manifest = Path(out) / "o" / "manifest.json"
+        if proc.returncode != 0 or not manifest.is_file():
+            # The log tail goes to the console only: it holds this machine's paths.
+            print(f"  job run {label} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+            return {"job_error": f"exit {proc.returncode}", "job_wall_s": round(wall, 1)}
+        last = json.loads(manifest.read_text())["last_run"]
+    steady = last["steady_tokens_per_second"] or None  # 0.0: fewer than two results, no steady state
+    run = {
+        "job_tokens": last["tokens"], "job_extract_s": last["extract_seconds"], "job_wall_s": round(wall, 1),
+        "job_first_result_s": last["first_result_seconds"],
+        "job_tok_s": round(last["tokens"] / last["extract_seconds"], 1), "job_steady_tok_s": steady,
+    }  # fmt: skip
+    print(f"  job run {label}: {fmt(run['job_tok_s'])} tok/s end to end, steady {fmt(steady)} tok/s, "
+          f"first result after {run['job_first_result_s']} s", flush=True)  # fmt: skip
+    return run
+
+
+def shipped_set(tok: Tokenize, lines: list[str]) -> list[list[int]]:
+    rows = [tok.tokenize_line(f"x:{i}", line) for i, line in enumerate(lines) if line.strip()]
+    return [r["input_ids"] for r in rows if r["status"] == "ok"]
+
+
+def short_set(tok: Tokenize, lines: list[str], count: int, seed: int) -> list[list[int]]:
+    """`count` windows of 48..1024 tokens cut from the shipped conversations' text; same seed, same set."""
+    stream: list[int] = []
+    for line in lines:
+        try:
+            sample = parse_line(line)
+        except BadRow:
+            continue
+        text = sample.text or "\n\n".join(m["content"] for m in sample.messages)
+        stream += tok.tokenizer.tok(text, add_special_tokens=False)["input_ids"] if text else []
+    if not stream:
+        sys.exit("the config's input has no text to cut the short prompts from")
+    while len(stream) <= SHORT_MAX:
+        stream += stream
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = rng.randint(SHORT_MIN, SHORT_MAX)
+        start = rng.randrange(len(stream) - n)
+        out.append(stream[start : start + n])
+    return out
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 1) if values else None
+
+
+def summarize(samples: list[list[int]], sweeps: list[dict[int, float]], jobs: list[dict]) -> dict:
+    bare = {w: median(s[w] for s in sweeps) for w in WINDOWS}
+    best_w = max(WINDOWS, key=lambda w: bare[w])
+    job, steady = median(j.get("job_tok_s") for j in jobs), median(j.get("job_steady_tok_s") for j in jobs)
+    tokens = sum(map(len, samples))
+    job_tokens = {j["job_tokens"] for j in jobs if "job_tokens" in j}
+    if job_tokens and job_tokens != {tokens}:
+        print(f"  WARNING: the job committed {sorted(job_tokens)} tokens, the bare server got {tokens}", flush=True)
+    return {
+        "samples": len(samples), "tokens": tokens, "bare": bare,
+        "bare_best_window": best_w, "bare_best_tok_s": bare[best_w],
+        "job_tok_s": job, "job_steady_tok_s": steady,
+        "ratio_vs_bare": round(steady / bare[best_w], 3) if steady else None,
+        "ratio_vs_bare_end_to_end": round(job / bare[best_w], 3) if job else None,
+        "runs": [{"bare": s, **j} for s, j in zip(sweeps, jobs)],
+    }  # fmt: skip
+
+
+def machine() -> str:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = psutil.virtual_memory().total / 2**30
+    return f"{os.cpu_count()} CPU cores, {mem:.0f} GiB, no GPU" + (f", {model}" if model else "")
+
+
+def command_line() -> str:
+    """The command as typed, relative to the repository (no path of this machine)."""
+    exe, script = Path(sys.executable), Path(sys.argv[0]).resolve()
+    exe = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else "python"
+    script = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0]
+    return shlex.join([exe, script, *sys.argv[1:]])
+
+
+def fmt(v) -> str:
+    return f"{v:,.0f}" if v is not None else "n/a"
+
+
+def ratio(v) -> str:
+    return f"{v:.2f}x" if v is not None else "n/a"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="conf/default.yaml")
-    ap.add_argument("--limit", type=int, default=0, help="first N input rows only (0: all)")
+    ap.add_argument("--out", default="bench/results/throughput_cpu.json")
+    ap.add_argument("--repeats", type=int, default=1, help="bare sweeps and job runs per set; medians reported")
+    ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set only (0: all)")
+    ap.add_argument("--short-count", type=int, default=336, help="prompts in the short set")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the short set")
+    ap.add_argument("--job-set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="passed to the job")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--short-only", action="store_true")
+    only.add_argument("--shipped-only", action="store_true")
     args = ap.parse_args()
-    cfg = load_config(args.config)
+    command = command_line()
+    config, out_path = str(Path(args.config).resolve()), Path(args.out).resolve()
+    os.chdir(ROOT)  # the config's relative paths (input.path) are relative to the repository
+
+    cfg = load_config(config, args.job_set)
     model_dir = resolve_model(cfg.model.path)
-    lines = Path(cfg.input.path).read_text().splitlines()
-    if args.limit:
-        lines = lines[: args.limit]
     tok = Tokenize(str(model_dir), cfg.extract.max_tokens, cfg.extract.overlength)
-    rows = [tok.tokenize_line(f"x:{i}", line) for i, line in enumerate(lines) if line.strip()]
-    samples = [r["input_ids"] for r in rows if r["status"] == "ok"]
-    tokens = sum(map(len, samples))
+    lines = Path(cfg.input.path).read_text().splitlines()
     aux = cfg.extract.aux_layers or default_aux_layers(num_hidden_layers(model_dir))
     threads = cfg.engine.cpu_threads or os.cpu_count()
-    results = {"samples": len(samples), "tokens": tokens, "window": cfg.engine.max_in_flight}
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        spec = ServerSpec(model_dir=model_dir, aux_layers=tuple(aux), dump_dir=Path(d), cpu_threads=threads)
-        results["bare_s"] = measure(dataclasses.replace(spec, capture=False), samples, cfg.engine.max_in_flight)
-        print(f"bare: {tokens / results['bare_s']:,.0f} tok/s", flush=True)
-        results["hooked_s"] = measure(spec, samples, cfg.engine.max_in_flight)
-        print(f"hooked (no reads): {tokens / results['hooked_s']:,.0f} tok/s", flush=True)
 
-    with tempfile.TemporaryDirectory() as out:
-        input_path = cfg.input.path
-        if args.limit:
-            input_path = str(Path(out) / "input.jsonl")
-            Path(input_path).write_text("\n".join(lines) + "\n")
-        cmd = [sys.executable, "-m", "pipeline.cli", "run", args.config, "--set", f"output.path={out}/o",
-               "--set", f"input.path={input_path}"]  # fmt: skip
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        results["job_wall_s"] = time.perf_counter() - t0
-        if proc.returncode != 0:
-            sys.exit(f"job failed:\n{proc.stderr[-3000:]}")
-        manifest = json.loads((Path(out) / "o" / "manifest.json").read_text())
-        last = manifest["last_run"]
-        results["job_extract_s"] = last["extract_seconds"]
-        results["job_tokens"] = last["tokens"]
-        results["job_first_result_s"] = last["first_result_seconds"]
-        results["job_steady_tok_s"] = last["steady_tokens_per_second"]
-    bare = tokens / results["bare_s"]
-    hooked = tokens / results["hooked_s"]
-    job = results["job_tokens"] / results["job_extract_s"]
-    steady = results["job_steady_tok_s"]
-    results.update(bare_tok_s=bare, hooked_tok_s=hooked, job_tok_s=job, hooked_over_bare=hooked / bare,
-                   job_over_bare=job / bare, job_steady_over_bare=steady / bare)  # fmt: skip
-    print(json.dumps(results, indent=2))
-    print(
-        f"bare {bare:,.0f} tok/s | hooked {hooked:,.0f} tok/s ({hooked / bare:.2f}x) | "
-        f"job {job:,.0f} tok/s incl. engine start-up ({job / bare:.2f}x bare) | "
-        f"job steady state {steady:,.0f} tok/s ({steady / bare:.2f}x bare)"
-    )
+    result = {"command": command, "machine": machine(), "date": datetime.date.today().isoformat(), "sets": {}}
+    names = ["shipped"] * (not args.short_only) + ["short"] * (not args.shipped_only)
+    with tempfile.TemporaryDirectory() as work:
+        for name in names:
+            if name == "shipped":
+                kept = lines[: args.limit] if args.limit else lines
+                samples, rows = shipped_set(tok, kept), kept
+            else:
+                samples = short_set(tok, lines, args.short_count, args.seed)[: args.limit or None]
+                rows = [json.dumps({"id": f"short-{i:04d}", "input_ids": ids}) for i, ids in enumerate(samples)]
+            input_path = str(Path(work) / f"{name}.jsonl")
+            Path(input_path).write_text("".join(row + "\n" for row in rows))
+            print(f"{name}: {len(samples)} samples, {sum(map(len, samples)):,} tokens", flush=True)
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            with tempfile.TemporaryDirectory(dir=shm) as d:
+                spec = ServerSpec(model_dir=model_dir, aux_layers=tuple(aux), dump_dir=Path(d), cpu_threads=threads)
+                sweeps = bare_sweeps(dataclasses.replace(spec, capture=False), samples, args.repeats)
+            jobs = [run_job(config, input_path, args.job_set, f"{r + 1}/{args.repeats}") for r in range(args.repeats)]
+            result["sets"][name] = summarize(samples, sweeps, jobs)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    for name, s in result["sets"].items():
+        print(
+            f"{name}: {s['samples']} samples, {s['tokens']:,} tokens | bare best {fmt(s['bare_best_tok_s'])} tok/s "
+            f"(window {s['bare_best_window']}; " + ", ".join(f"{w}: {fmt(v)}" for w, v in s["bare"].items()) + ") | "
+            f"job steady {fmt(s['job_steady_tok_s'])} tok/s ({ratio(s['ratio_vs_bare'])} bare) | "
+            f"job end to end {fmt(s['job_tok_s'])} tok/s ({ratio(s['ratio_vs_bare_end_to_end'])} bare)"
+        )
 
 
 if __name__ == "__main__":

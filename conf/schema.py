@@ -37,8 +37,10 @@ class EngineConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tp_size: int = Field(1, ge=1)
     num_actors: int = Field(1, ge=1)
-    # Requests one actor keeps in flight against its server.
+    # Requests one actor keeps in flight against its server (shared by all its batches).
     max_in_flight: int = Field(8, ge=1)
+    # Batches one actor holds at once: while one is validated, encoded and committed, the next is captured.
+    batches_per_actor: int = Field(2, ge=1)
     # CPUs Ray reserves per actor (the server's threads come on top).
     cpus_per_actor: float = Field(1.0, gt=0)
     # CPU mode only: threads the server's torch may use (None: this host's cores / num_actors).
@@ -75,9 +77,12 @@ class ExtractConfig(_Strict):
 class OutputConfig(_Strict):
     # Local directory or s3://bucket/prefix.
     path: str
-    # bss_zstd: standard Parquet, uint16 bf16 bits, BYTE_STREAM_SPLIT + zstd (any Parquet reader gets the bits).
-    encoding: Literal["bss_zstd"] = "bss_zstd"
+    # planes_zstd: bf16 bits as byte planes, the high plane zstd-compressed (~0.70 of raw);
+    # raw: the same planes uncompressed, for storage faster than the CPUs can compress. See pipeline/codec.py.
+    encoding: Literal["planes_zstd", "raw"] = "planes_zstd"
     zstd_level: int = Field(1, ge=1, le=22)
+    # Threads one actor uses to compress hidden states (None: min(16, this host's cores)).
+    encode_threads: int | None = Field(None, ge=1)
     # all: last_hidden_state at every position [T, H]; masked: only where loss_mask is 1 [M, H]
     # (the reader expands it back, or returns it with its positions).
     last_hidden_state: Literal["all", "masked"] = "all"

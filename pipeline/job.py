@@ -127,7 +127,8 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
         "max_in_flight": cfg.engine.max_in_flight,
         "request_timeout_s": cfg.engine.request_timeout_s,
     }
-    return dict(engine_kwargs=engine, layout=plan.layout, output_url=cfg.output.path, retries=cfg.extract.retries)
+    return dict(engine_kwargs=engine, layout=plan.layout, output_url=cfg.output.path, retries=cfg.extract.retries,
+                encode_threads=cfg.output.encode_threads)  # fmt: skip
 
 
 def run(cfg: HarvestConfig) -> dict:
@@ -197,7 +198,12 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
         fn_constructor_kwargs=extractor_kwargs(cfg, plan),
         batch_size=cfg.extract.batch_size,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors),
+        # Several batches per actor on threads: one encodes and commits while the next keeps the server busy.
+        compute=ray.data.ActorPoolStrategy(
+            min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors,
+            max_tasks_in_flight_per_actor=cfg.engine.batches_per_actor,
+            max_concurrent_calls_per_actor=cfg.engine.batches_per_actor, enable_true_multi_threading=True,
+        ),  # fmt: skip
         num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
         num_cpus=cfg.engine.cpus_per_actor,
     )

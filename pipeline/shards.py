@@ -1,10 +1,11 @@
-"""The shard format: one Parquet file per actor batch, one row per sample, hidden states as bf16 bits.
+"""The shard format: one Parquet file per actor batch, one row per sample.
 
-Columns: sample_id string, input_ids list<int32>, loss_mask list<uint8>, num_tokens int32,
-aux_hidden_states list<uint16> (row-major [T, K*H]), last_hidden_state list<uint16> ([T, H]).
-The hidden-state leaf columns use BYTE_STREAM_SPLIT + zstd: bf16 bits split into byte planes compress
-to ~0.70 of raw, losslessly, and any Parquet reader gets the bits back. Shape and layer ids live in the
-schema metadata (key `hidden_harvest`) and in manifest.json; `open_shards` hides the encoding.
+Columns: sample_id string, input_ids list<int32>, loss_mask list<uint8>, num_tokens int32 (plain Parquet, zstd),
+aux_hidden_states large_binary ([T, K*H]) and last_hidden_state large_binary ([T, H], or [M, H] for the masked
+rows), each value one sample's bf16 bits in the codec's layout (pipeline/codec.py; the README shows the decoder).
+Hidden-state values are already compressed, so Parquet stores them uncompressed, unencoded, one page per value:
+the writer only copies bytes. Shape, layer ids and encoding live in the schema metadata (key `hidden_harvest`)
+and in manifest.json; `open_shards` hides the codec.
 """
 
 from __future__ import annotations
@@ -18,25 +19,31 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.codec import Codec, to_planes
 from pipeline.storage import Store
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_KEY = b"hidden_harvest"
 SHARD_DIR = "shards"
 HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
+LAYOUT_DOC = "bf16 bits as byte planes [2, W, T] (low plane stored, high plane per encoding), see README"
 
 
 @dataclass(frozen=True)
 class ShardLayout:
     aux_layers: tuple[int, ...]
     hidden_size: int
-    encoding: str = "bss_zstd"
+    encoding: str = "planes_zstd"
     zstd_level: int = 1
     last_rows: str = "all"  # "all" | "masked": rows of last_hidden_state kept
 
     @property
     def aux_width(self) -> int:
         return len(self.aux_layers) * self.hidden_size
+
+    @property
+    def codec(self) -> Codec:
+        return Codec(self.encoding, self.zstd_level)
 
     def metadata(self) -> dict:
         return {
@@ -45,7 +52,7 @@ class ShardLayout:
             "hidden_size": self.hidden_size,
             "aux_width": self.aux_width,
             "dtype": "bfloat16",
-            "storage": "uint16 bit patterns, row-major",
+            "storage": LAYOUT_DOC,
             "encoding": self.encoding,
             "last_hidden_state_rows": self.last_rows,
         }
@@ -57,20 +64,39 @@ class ShardLayout:
                 ("input_ids", pa.list_(pa.int32())),
                 ("loss_mask", pa.list_(pa.uint8())),
                 ("num_tokens", pa.int32()),
-                ("aux_hidden_states", pa.list_(pa.uint16())),
-                ("last_hidden_state", pa.list_(pa.uint16())),
+                ("aux_hidden_states", pa.large_binary()),
+                ("last_hidden_state", pa.large_binary()),
             ],
             metadata={META_KEY: json.dumps(self.metadata()).encode()},
         )
 
 
 @dataclass
-class CapturedSample:
+class EncodedSample:
+    """A validated sample whose hidden states are encoded: each column holds its stored value (uint8)."""
+
     sample_id: str
     input_ids: list[int]
     loss_mask: list[int]
-    aux: np.ndarray  # uint16 [T, K*H]
-    last: np.ndarray  # uint16 [T, H]
+    aux: np.ndarray
+    last: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.aux.nbytes + self.last.nbytes
+
+
+def encode_sample(sample_id: str, input_ids, loss_mask, aux_planes, last_planes, layout: ShardLayout) -> EncodedSample:
+    """Byte planes [2, K*H, T] and [2, H, T] (uint8, e.g. a view of a dump) -> an EncodedSample. One thread."""
+    if layout.last_rows == "masked":
+        last_planes = np.ascontiguousarray(np.asarray(last_planes)[:, :, np.asarray(loss_mask, dtype=bool)])
+    codec = layout.codec
+    return EncodedSample(sample_id, list(input_ids), list(loss_mask), codec.encode(aux_planes), codec.encode(last_planes))
+
+
+def encode_bits(sample_id: str, input_ids, loss_mask, aux_bits: np.ndarray, last_bits: np.ndarray, layout: ShardLayout) -> EncodedSample:
+    """From uint16 bf16 bits [T, K*H] and [T, H] (tests, benchmarks, engines without the GPU-side split)."""
+    return encode_sample(sample_id, input_ids, loss_mask, to_planes(aux_bits), to_planes(last_bits), layout)
 
 
 def ids_digest(sample_ids: list[str]) -> str:
@@ -83,49 +109,46 @@ def shard_name(sample_ids: list[str]) -> str:
     return f"{SHARD_DIR}/part-{ids_digest(sample_ids)}.parquet"
 
 
-def _flat_list(arrays: list[np.ndarray]) -> pa.ListArray:
-    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0, np.uint16)
-    return pa.LargeListArray.from_arrays(offsets, values).cast(pa.list_(pa.uint16()))
+def _binary_column(values: list[np.ndarray]) -> pa.ChunkedArray:
+    """One chunk per sample, wrapping its encoded value without a copy (the Parquet writer copies once)."""
+    chunks = [
+        pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, pa.py_buffer(np.array([0, v.nbytes], np.int64)), pa.py_buffer(v)])
+        for v in values
+    ]
+    return pa.chunked_array(chunks, pa.large_binary())
 
 
-def _keep_rows(s: CapturedSample, layout: ShardLayout) -> np.ndarray:
-    if layout.last_rows == "masked":
-        return s.last[np.asarray(s.loss_mask, dtype=bool)]
-    return s.last
-
-
-def build_table(samples: list[CapturedSample], layout: ShardLayout) -> pa.Table:
+def build_table(samples: list[EncodedSample], layout: ShardLayout) -> pa.Table:
     return pa.Table.from_arrays(
         [
-            pa.array([s.sample_id for s in samples], pa.string()),
-            pa.array([s.input_ids for s in samples], pa.list_(pa.int32())),
-            pa.array([s.loss_mask for s in samples], pa.list_(pa.uint8())),
-            pa.array([len(s.input_ids) for s in samples], pa.int32()),
-            _flat_list([s.aux for s in samples]),
-            _flat_list([_keep_rows(s, layout) for s in samples]),
+            pa.chunked_array([pa.array([s.sample_id for s in samples], pa.string())]),
+            pa.chunked_array([pa.array([s.input_ids for s in samples], pa.list_(pa.int32()))]),
+            pa.chunked_array([pa.array([s.loss_mask for s in samples], pa.list_(pa.uint8()))]),
+            pa.chunked_array([pa.array([len(s.input_ids) for s in samples], pa.int32())]),
+            _binary_column([s.aux for s in samples]),
+            _binary_column([s.last for s in samples]),
         ],
         schema=layout.schema(),
     )
 
 
-def write_shard(store: Store, samples: list[CapturedSample], layout: ShardLayout) -> tuple[str, int]:
+def write_shard(store: Store, samples: list[EncodedSample], layout: ShardLayout) -> tuple[str, int]:
     """Commit one shard atomically; returns (relative name, exact bytes committed)."""
     name = shard_name([s.sample_id for s in samples])
     table = build_table(samples, layout)
-    with store.open_atomic(name) as f:
+    # Per-column settings name Parquet leaf paths (a list column's leaf is `col.list.element`).
+    plain = [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in table.schema if f.name not in HIDDEN_COLUMNS]
+    with store.open_atomic(name, native=True) as f:
         pq.write_table(
             table,
             f,
-            compression="zstd",
-            compression_level=layout.zstd_level,
+            compression={**{c: "zstd" for c in plain}, **{c: "none" for c in HIDDEN_COLUMNS}},
+            compression_level={c: layout.zstd_level for c in plain},
             use_dictionary=["sample_id"],
-            # Must name the leaf paths: a top-level column name is silently ignored.
-            use_byte_stream_split=[f"{c}.list.element" for c in HIDDEN_COLUMNS],
             write_statistics=["sample_id", "num_tokens"],
             row_group_size=max(1, len(samples)),
+            # One hidden-state value per page: a page is limited to 2 GiB, a batch of large values is not.
+            write_batch_size=1,
         )
     return name, store.size(name)
 
@@ -143,6 +166,16 @@ def _bf16(bits: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16).copy()).view(torch.bfloat16)
 
 
+def hidden_bits(table: pa.Table, column: str, i: int, meta: dict, rows: int, width: int) -> np.ndarray:
+    """One sample's hidden column as uint16 bf16 bits [rows, width]; raises ValueError when it does not decode."""
+    if meta.get("format_version", 1) == 1:  # list<uint16>, row-major (outputs written before the codec)
+        bits = table[column][i].values.to_numpy(zero_copy_only=False)
+        if bits.size != rows * width:
+            raise ValueError(f"{column} of sample {i} holds {bits.size} values, expected {rows * width}")
+        return bits.reshape(rows, width)
+    return Codec(meta["encoding"]).decode_bits(table[column][i].as_buffer(), rows, width)
+
+
 def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True, expand_last: bool = True) -> dict:
     """One sample: aux [T, K*H] and last [T, H] bf16 (torch) or uint16 bits (numpy), input_ids, loss_mask.
 
@@ -154,14 +187,13 @@ def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True, expan
     out = {"sample_id": table["sample_id"][i].as_py(), "num_tokens": n}
     ids = table["input_ids"][i].values.to_numpy(zero_copy_only=False)
     mask = table["loss_mask"][i].values.to_numpy(zero_copy_only=False)
-    aux = table["aux_hidden_states"][i].values.to_numpy(zero_copy_only=False)
-    last = table["last_hidden_state"][i].values.to_numpy(zero_copy_only=False)
     h = meta["hidden_size"]
     masked = meta.get("last_hidden_state_rows", "all") == "masked"
     last_rows = int(mask.sum()) if masked else n
-    if aux.size != n * meta["aux_width"] or last.size != last_rows * h or ids.size != n or mask.size != n:
-        raise ValueError(f"sample {out['sample_id']}: column sizes do not match {n} tokens")
-    last = last.reshape(last_rows, h)
+    if ids.size != n or mask.size != n:
+        raise ValueError(f"sample {out['sample_id']}: token columns do not match {n} tokens")
+    aux = hidden_bits(table, "aux_hidden_states", i, meta, n, meta["aux_width"])
+    last = hidden_bits(table, "last_hidden_state", i, meta, last_rows, h)
     if masked:
         positions = np.flatnonzero(mask)
         out["last_hidden_state_positions"] = positions
@@ -169,7 +201,6 @@ def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True, expan
             full = np.zeros((n, h), dtype=np.uint16)
             full[positions] = last
             last = full
-    aux = aux.reshape(n, -1)
     if as_torch:
         import torch
 

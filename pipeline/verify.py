@@ -1,7 +1,7 @@
 """`harvest verify OUTPUT`: an integrity scan of committed output; exit code 0 only when everything holds.
 
 Checks every shard opens, its schema and metadata match the manifest, its name matches the ids it holds,
-every list column has the length its num_tokens implies (hidden states decode to [T, ...]), no sample_id
+token columns have num_tokens values and every hidden-state value decodes to [T, ...], no sample_id
 appears twice (across shards, or in a shard and in errors/), and the manifest totals match what is there.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.manifest import DUPLICATES, ERROR_DIR, read_manifest
-from pipeline.shards import list_shards, read_layout, shard_name
+from pipeline.shards import hidden_bits, list_shards, read_layout, shard_name
 from pipeline.storage import Store
 
 
@@ -43,6 +43,19 @@ def _lengths(column) -> np.ndarray:
     return np.diff(arr.offsets.to_numpy())
 
 
+def _check_hidden(rel: str, table, meta: dict, sids: list[str], rows: dict, report: Report) -> None:
+    """Every hidden-state value decodes (codec and all) to exactly [rows, width]."""
+    bad = 0
+    for name, (want, width) in rows.items():
+        for i in range(table.num_rows):
+            try:
+                hidden_bits(table, name, i, meta, int(want[i]), width)
+            except ValueError as e:
+                bad += 1
+                if bad <= 3:
+                    report.problems.append(f"{rel}: sample {sids[i]} {name} does not decode to [{want[i]}, {width}]: {e}")
+
+
 def _check_shard(store: Store, rel: str, expected: dict, report: Report, ids: Counter) -> None:
     try:
         with store.fs.open(store.path(rel), "rb") as f:
@@ -62,10 +75,11 @@ def _check_shard(store: Store, rel: str, expected: dict, report: Report, ids: Co
     mask_sums = np.array([int(np.sum(m)) for m in table["loss_mask"].to_numpy(zero_copy_only=False)])
     last_rows = mask_sums if meta.get("last_hidden_state_rows") == "masked" else n
     h, w = meta["hidden_size"], meta["aux_width"]
-    for name, want in (("input_ids", n), ("loss_mask", n), ("aux_hidden_states", n * w), ("last_hidden_state", last_rows * h)):
+    for name, want in (("input_ids", n), ("loss_mask", n)):
         bad = np.flatnonzero(_lengths(table[name]) != want)
         for i in bad[:3]:
             report.problems.append(f"{rel}: sample {sids[i]} {name} has {_lengths(table[name])[i]} values, expected {want[i]}")
+    _check_hidden(rel, table, meta, sids, {"aux_hidden_states": (n, w), "last_hidden_state": (last_rows, h)}, report)
     report.shards += 1
     report.samples += table.num_rows
     report.tokens += int(n.sum())

@@ -1,9 +1,13 @@
-"""The engine wrapper against a real SGLang server: realignment by id, truncation traps, restart, close."""
+"""The engine wrapper against a real SGLang server: realignment by id, truncation traps, restart, close,
+and the server's own parent-death watchdog."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -21,7 +25,11 @@ def engine(model_dir):
         max_in_flight=4,
         request_timeout_s=300,
     )
-    eng.start()
+    # Started from a thread that ends at once: the server must outlive the thread that started it
+    # (Ray runs the stage's batches on threads; any of them may restart the server).
+    starter = threading.Thread(target=eng.start)
+    starter.start()
+    starter.join()
     yield eng
     eng.close()
 
@@ -40,7 +48,9 @@ def test_results_are_realigned_by_id_and_repeats_are_not_truncated(engine):
         res = results[key]
         assert res.error is None, res.error
         assert check_capture(res.capture, ids, 3 * 576, 576) is None
-        assert res.capture.header["prefix_len"] == 0 and res.capture.aux.shape == (len(ids), 3 * 576)
+        assert res.capture.header["prefix_len"] == 0 and res.capture.header["nonfinite"] == 0
+        assert res.capture.aux.shape == (2, 3 * 576, len(ids)) and res.capture.last.shape == (2, 576, len(ids))
+    assert engine.healthy()
     assert (results["mid"].capture.aux == results["mid-again"].capture.aux).all()
     assert not [p for p in engine.spec.dump_dir.iterdir() if p.suffix == ".hhd"]  # every dump consumed
 
@@ -64,3 +74,34 @@ def test_close_stops_the_server_and_removes_dumps(model_dir):
     eng.close()
     assert proc.poll() is not None
     assert not dump_dir.exists()
+
+
+_ORPHAN = """
+import sys, time
+from pathlib import Path
+from actors.sglang_server import SGLangServer, ServerSpec
+server = SGLangServer(ServerSpec(model_dir=Path(sys.argv[1]), aux_layers=(2, 15, 27), dump_dir=Path(sys.argv[2]))).start()
+print(server._proc.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
+    """A starter killed by force (no teardown) leaves no server behind: the server's watchdog ends it."""
+    dump_dir = tmp_path / "dumps"
+    starter = subprocess.Popen([sys.executable, "-c", _ORPHAN, str(model_dir), str(dump_dir)], stdout=subprocess.PIPE, text=True,
+                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+    server_pid = int(starter.stdout.readline())
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.killpg(server_pid, signal.SIGKILL)
+        pytest.fail("the SGLang server outlived its starter by 60 s")
+    assert not dump_dir.exists()  # the watchdog removes the private dump directory too

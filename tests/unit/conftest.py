@@ -23,33 +23,52 @@ def chat_tokenizer(model_dir):
 def dump_hook():
     """The SGLang hook module, loaded from its file (it imports no sglang at module level)."""
     import importlib.util
+    import sys
 
     path = REPO_ROOT / "patches" / "sglang" / "v0_5_23" / "sitedir" / "hidden_harvest_hook.py"
     spec = importlib.util.spec_from_file_location("hidden_harvest_hook_under_test", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture
-def make_dump(dump_hook, tmp_path):
-    """Write a dump exactly as the hook does; returns its path. `header` entries override the real ones."""
-    import hashlib
+def publish(dump_hook, tmp_path):
+    """The hook's real publisher on CPU tensors, writing into tmp_path; returns once the dumps are published."""
+    publisher = dump_hook.DumpPublisher(str(tmp_path), "hh-")
 
+    def run(rids, input_ids, hidden, aux, seq_lens, prefix_lens=None):
+        publisher.capture(input_ids, hidden, aux, rids, seq_lens, prefix_lens)
+        publisher.flush()
+
+    return run
+
+
+def bf16(bits):
+    """uint16 bit patterns -> a torch bf16 tensor with exactly those bits."""
     import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(bits, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
+@pytest.fixture
+def make_dump(publish, tmp_path):
+    """Publish one request's dump exactly as the hook does; returns its path. `header` entries override real ones."""
+    import json
+    import struct
+
+    import torch
 
     def make(rid, input_ids, aux, last, **header):
-        ids = np.asarray(input_ids, dtype=np.int32)
-        real = {
-            "rid": rid,
-            "num_tokens": len(ids),
-            "prefix_len": 0,
-            "ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-            "aux_shape": list(aux.shape),
-            "last_shape": list(last.shape),
-            "source_dtype": "torch.bfloat16",
-        }
-        dump_hook._write_dump(str(tmp_path), rid, {**real, **header}, [aux.tobytes(), last.tobytes()])
-        return tmp_path / f"{rid}.hhd"
+        publish([rid], torch.tensor(input_ids), bf16(last), [bf16(aux)], [len(input_ids)])
+        path = tmp_path / f"{rid}.hhd"
+        if header:
+            data = path.read_bytes()
+            (n,) = struct.unpack_from("<Q", data)
+            head = json.dumps({**json.loads(data[8 : 8 + n]), **header}).encode()
+            path.write_bytes(struct.pack("<Q", len(head)) + head + data[8 + n :])
+        return path
 
     return make

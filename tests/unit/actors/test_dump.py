@@ -1,11 +1,13 @@
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from conftest import bf16
 
 from actors.dump import DumpError, dump_path, read_dump
 from actors.validate import check_capture
+from pipeline.codec import to_planes
 
 
 def bits(rng, rows, cols) -> np.ndarray:
@@ -17,12 +19,14 @@ def test_read_dump_round_trip(make_dump, tmp_path):
     aux, last = bits(rng, 5, 12), bits(rng, 5, 4)
     path = make_dump("hh-1", [1, 2, 3, 4, 5], aux, last)
     assert path == dump_path(tmp_path, "hh-1")
-    assert os.listdir(tmp_path) == ["hh-1.hhd"]  # the hook's temporary was renamed away
+    assert os.listdir(tmp_path) == ["hh-1.hhd"]  # the writer's temporary was renamed away
     cap = read_dump(path)
-    assert cap.header["rid"] == "hh-1" and cap.header["num_tokens"] == 5
-    assert cap.aux.dtype == np.uint16 and cap.last.dtype == np.uint16
-    np.testing.assert_array_equal(cap.aux, aux)
-    np.testing.assert_array_equal(cap.last, last)
+    assert cap.header["rid"] == "hh-1" and cap.header["num_tokens"] == 5 and cap.header["nonfinite"] == 0
+    assert cap.aux.shape == (2, 12, 5) and cap.last.shape == (2, 4, 5)
+    np.testing.assert_array_equal(cap.aux, to_planes(aux))  # the codec's layout, made by the hook
+    got_aux, got_last = cap.bits()
+    np.testing.assert_array_equal(got_aux, aux)
+    np.testing.assert_array_equal(got_last, last)
 
 
 @pytest.fixture
@@ -37,9 +41,9 @@ def write(tmp_path, data: bytes):
     return path
 
 
-@pytest.mark.parametrize("cut", [2, 4, 3 * 2 * 2])
+@pytest.mark.parametrize("cut", [1, 2, 3 * 2 * 2])
 def test_truncated_body_is_dump_error(tmp_path, dump_bytes, cut):
-    with pytest.raises(DumpError, match="holds .* values, header says 24"):
+    with pytest.raises(DumpError, match="holds .* bytes, header says 48"):
         read_dump(write(tmp_path, dump_bytes[:-cut]))
 
 
@@ -53,30 +57,20 @@ def test_shorter_than_length_prefix_is_dump_error(tmp_path, dump_bytes):
         read_dump(write(tmp_path, dump_bytes[:5]))
 
 
-def test_truncated_by_one_byte_is_dump_error(tmp_path, dump_bytes):
-    with pytest.raises(DumpError):
-        read_dump(write(tmp_path, dump_bytes[:-1]))
-
-
 def test_truncated_header_is_dump_error(tmp_path, dump_bytes):
     with pytest.raises(DumpError):
         read_dump(write(tmp_path, dump_bytes[:20]))
 
 
-def test_hook_dump_batch_slices_packed_rows_per_request(dump_hook, tmp_path):
-    """dump_batch on a packed extend batch: one file per hh- request, rows sliced by extend_seq_lens_cpu."""
-    import torch
-
+def test_hook_slices_packed_rows_per_request(publish, tmp_path):
+    """A packed extend batch: one dump per hh- request, rows cut by extend_seq_lens_cpu, padding ignored."""
     torch.manual_seed(0)
     seq_lens = [3, 2, 4]
     total = sum(seq_lens)
     input_ids = torch.arange(100, 100 + total + 2)  # 2 padding rows, as CUDA graphs may add
     hidden = torch.randn(total + 2, 4, dtype=torch.bfloat16)
     aux = [torch.randn(total + 2, 4, dtype=torch.bfloat16) for _ in range(3)]
-    batch = SimpleNamespace(
-        rids=["hh-a", "other-b", "hh-c"], extend_seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=[0, 0, 0]
-    )
-    dump_hook.dump_batch(input_ids, hidden, aux, batch, str(tmp_path), "hh-")
+    publish(["hh-a", "other-b", "hh-c"], input_ids, hidden, aux, seq_lens, [0, 0, 0])
     assert sorted(os.listdir(tmp_path)) == ["hh-a.hhd", "hh-c.hhd"]
 
     as_bits = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
@@ -85,15 +79,34 @@ def test_hook_dump_batch_slices_packed_rows_per_request(dump_hook, tmp_path):
         cap = read_dump(dump_path(tmp_path, rid))
         ids = input_ids[start : start + n].tolist()
         assert cap.header["num_tokens"] == n and cap.header["prefix_len"] == 0
-        np.testing.assert_array_equal(cap.aux, as_bits(packed[start : start + n]))
-        np.testing.assert_array_equal(cap.last, as_bits(hidden[start : start + n]))
+        got_aux, got_last = cap.bits()
+        np.testing.assert_array_equal(got_aux, as_bits(packed[start : start + n]))
+        np.testing.assert_array_equal(got_last, as_bits(hidden[start : start + n]))
         assert check_capture(cap, ids, aux_width=12, hidden_size=4) is None
 
 
-def test_hook_dump_batch_ignores_batches_without_prefixed_rids(dump_hook, tmp_path):
-    import torch
+def test_hook_accepts_one_packed_aux_tensor_and_float32(publish, tmp_path):
+    hidden = torch.randn(3, 4)
+    aux = torch.randn(3, 8)
+    publish(["hh-p"], torch.arange(3), hidden, aux, [3])
+    cap = read_dump(dump_path(tmp_path, "hh-p"))
+    got_aux, got_last = cap.bits()
+    np.testing.assert_array_equal(got_aux, aux.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    assert cap.header["source_dtype"] == "torch.float32"
 
-    batch = SimpleNamespace(rids=["warmup"], extend_seq_lens_cpu=[2], extend_prefix_lens_cpu=None)
+
+def test_hook_counts_nonfinite_values_per_request(publish, tmp_path):
+    hidden = bf16(np.full((5, 4), 0x3F80, np.uint16))  # 1.0
+    aux = [bf16(np.full((5, 4), 0x3F80, np.uint16))]
+    hidden[1, 2] = float("nan")
+    aux[0][3, 0] = float("inf")
+    aux[0][4, 1] = float("-inf")
+    publish(["hh-x", "hh-y"], torch.arange(5), hidden, aux, [2, 3])
+    assert read_dump(dump_path(tmp_path, "hh-x")).header["nonfinite"] == 1
+    assert read_dump(dump_path(tmp_path, "hh-y")).header["nonfinite"] == 2
+
+
+def test_hook_ignores_batches_without_prefixed_rids(publish, tmp_path):
     t = torch.zeros(2, 4, dtype=torch.bfloat16)
-    dump_hook.dump_batch(torch.arange(2), t, [t], batch, str(tmp_path), "hh-")
+    publish(["warmup"], torch.arange(2), t, [t], [2], None)
     assert os.listdir(tmp_path) == []

@@ -98,6 +98,7 @@ def test_env_hook_variables(monkeypatch):
     assert env["HIDDEN_HARVEST_DUMP_DIR"] == "/dev/shm/d"
     assert env["HIDDEN_HARVEST_RID_PREFIX"] == RID_PREFIX
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["HIDDEN_HARVEST_PARENT_PID"] == str(os.getpid())  # the server's watchdog follows this process
     assert env["EXTRA"] == "1"
     assert "" not in env["PYTHONPATH"].split(os.pathsep)
     assert "SGLANG_USE_CPU_ENGINE" not in build_env(spec(cpu=False))

@@ -46,7 +46,7 @@ def test_unknown_key_is_named_in_error(tmp_path, tree, dotted):
 
 
 def test_missing_output_path_is_required(tmp_path):
-    path = write_yaml(tmp_path, {"input": {"path": "in.jsonl"}, "output": {"encoding": "bss_zstd"}})
+    path = write_yaml(tmp_path, {"input": {"path": "in.jsonl"}, "output": {"encoding": "planes_zstd"}})
     with pytest.raises(ConfigError, match=r"output\.path: required"):
         load_config(path)
 

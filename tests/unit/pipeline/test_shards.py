@@ -8,8 +8,9 @@ import pytest
 from pipeline.shards import (
     HIDDEN_COLUMNS,
     META_KEY,
-    CapturedSample,
+    EncodedSample,
     ShardLayout,
+    encode_bits,
     list_shards,
     open_shards,
     read_layout,
@@ -28,13 +29,21 @@ def random_bf16(rng, rows, cols) -> np.ndarray:
     return np.where((bits & 0x7F80) == 0x7F80, bits & 0xBFFF, bits).astype(np.uint16)
 
 
-def make_samples(n=3, seed=0) -> list[CapturedSample]:
+class Sample:
+    def __init__(self, sample_id, input_ids, loss_mask, aux, last):
+        self.sample_id, self.input_ids, self.loss_mask, self.aux, self.last = sample_id, input_ids, loss_mask, aux, last
+
+    def encoded(self, layout=LAYOUT) -> EncodedSample:
+        return encode_bits(self.sample_id, self.input_ids, self.loss_mask, self.aux, self.last, layout)
+
+
+def make_samples(n=3, seed=0) -> list[Sample]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         t = int(rng.integers(1, 9))
         out.append(
-            CapturedSample(
+            Sample(
                 sample_id=f"s{i}",
                 input_ids=rng.integers(0, 49152, t).tolist(),
                 loss_mask=rng.integers(0, 2, t).tolist(),
@@ -45,11 +54,12 @@ def make_samples(n=3, seed=0) -> list[CapturedSample]:
     return out
 
 
-@pytest.fixture
-def written(tmp_path):
+@pytest.fixture(params=["planes_zstd", "raw"])
+def written(tmp_path, request):
     store = Store(str(tmp_path))
     samples = make_samples()
-    name, nbytes = write_shard(store, samples, LAYOUT)
+    layout = ShardLayout(LAYOUT.aux_layers, LAYOUT.hidden_size, encoding=request.param)
+    name, nbytes = write_shard(store, [s.encoded(layout) for s in samples], layout)
     return store, samples, name, nbytes
 
 
@@ -93,16 +103,17 @@ def test_write_names_shard_from_its_samples(written):
     assert name == shard_name([s.sample_id for s in reversed(samples)])
 
 
-def test_hidden_columns_use_byte_stream_split(written):
+def test_hidden_columns_are_plain_uncompressed_binary(written):
+    """The codec compressed them already: Parquet only copies the bytes (no dictionary, no second codec)."""
     store, _, name, _ = written
     meta = pq.ParquetFile(store.path(name)).metadata
     rg = meta.row_group(0)
     columns = {rg.column(i).path_in_schema: rg.column(i) for i in range(meta.num_columns)}
     for col in HIDDEN_COLUMNS:
-        chunk = columns[f"{col}.list.element"]
-        assert "BYTE_STREAM_SPLIT" in chunk.encodings, (col, chunk.encodings)
-        assert chunk.compression == "ZSTD"
-    assert "BYTE_STREAM_SPLIT" not in columns["input_ids.list.element"].encodings
+        assert columns[col].physical_type == "BYTE_ARRAY"
+        assert columns[col].compression == "UNCOMPRESSED"
+        assert "RLE_DICTIONARY" not in columns[col].encodings
+    assert columns["input_ids.list.element"].compression == "ZSTD"
 
 
 def test_schema_metadata(written):
@@ -110,17 +121,27 @@ def test_schema_metadata(written):
     schema = pq.read_schema(store.path(name))
     meta = json.loads(schema.metadata[META_KEY])
     assert meta == {
-        "format_version": 1,
+        "format_version": 2,
         "aux_layers": [2, 15, 27],
         "hidden_size": 16,
         "aux_width": 48,
         "dtype": "bfloat16",
-        "storage": "uint16 bit patterns, row-major",
-        "encoding": "bss_zstd",
+        "storage": "bf16 bits as byte planes [2, W, T] (low plane stored, high plane per encoding), see README",
+        "encoding": meta["encoding"],
         "last_hidden_state_rows": "all",
     }
+    assert meta["encoding"] in ("planes_zstd", "raw")
     assert read_layout(schema) == meta
     assert schema.names == ["sample_id", "input_ids", "loss_mask", "num_tokens", *HIDDEN_COLUMNS]
+
+
+def test_plain_parquet_readers_get_ids_and_tokens(written):
+    """id and token columns stay plain Parquet: pandas reads them, and the hidden columns come as bytes."""
+    store, samples, name, _ = written
+    df = pq.read_table(store.path(name)).to_pandas()
+    assert df["sample_id"].tolist() == [s.sample_id for s in samples]
+    assert [list(x) for x in df["input_ids"]] == [s.input_ids for s in samples]
+    assert isinstance(df["aux_hidden_states"][0], bytes)
 
 
 def test_read_layout_rejects_foreign_parquet():
@@ -147,8 +168,8 @@ def test_decode_row_rejects_inconsistent_sizes(tmp_path):
     store = Store(str(tmp_path))
     bad = make_samples(1)[0]
     bad.last = bad.last[:, :-1]
-    write_shard(store, [bad], LAYOUT)
-    with pytest.raises(ValueError, match="sizes do not match"):
+    write_shard(store, [bad.encoded()], LAYOUT)
+    with pytest.raises(ValueError, match="does not decompress|bytes"):
         list(open_shards(str(tmp_path), as_torch=False))
 
 
@@ -160,10 +181,11 @@ def test_masked_last_hidden_state_round_trip(tmp_path):
     aux = rng.integers(0, 0x7F00, size=(t, 16), dtype=np.uint16)
     last = rng.integers(0, 0x7F00, size=(t, 8), dtype=np.uint16)
     store = Store(str(tmp_path))
-    name, _ = write_shard(store, [CapturedSample("m", list(range(t)), mask, aux, last)], layout)
+    name, _ = write_shard(store, [Sample("m", list(range(t)), mask, aux, last).encoded(layout)], layout)
     with store.fs.open(store.path(name), "rb") as f:
-        stored = pq.read_table(f)["last_hidden_state"][0].values.to_numpy()
-    assert stored.size == 3 * 8  # only the three masked rows are stored
+        stored = pq.read_table(f)["last_hidden_state"][0].as_py()
+    assert len(stored) >= 3 * 8  # low plane of the three masked rows, then the compressed high plane
+    assert layout.codec.decode_bits(stored, 3, 8).shape == (3, 8)  # only the three masked rows are stored
     (s,) = open_shards(str(tmp_path), as_torch=False)
     assert s["last_hidden_state_positions"].tolist() == [2, 3, 5]
     np.testing.assert_array_equal(s["last_hidden_state"][[2, 3, 5]], last[[2, 3, 5]])
