@@ -25,7 +25,7 @@ from actors.metrics import ExtractorMetrics
 from actors.sglang_engine import SGLangEngine
 from actors.validate import check_capture
 from pipeline.manifest import ERROR_DIR
-from pipeline.shards import ShardLayout, encode_sample, ids_digest, write_shard
+from pipeline.shards import ShardLayout, ShardWriter, encode_sample, ids_digest
 from pipeline.storage import Store
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,14 @@ class HiddenStateExtractor:
             raise KeyError(f"HiddenStateExtractor needs columns {missing}, got {batch.column_names}")
         rows = batch.to_pylist()
         todo = {r["sample_id"]: r for r in rows if r["status"] == "ok"}
-        captured, failed, latency = self._capture(todo)
+        with ShardWriter(self.store, self.layout) as shard:
+            failed, latency = self._capture(todo, shard)
+            results = self._commit(rows, failed, latency, shard)
+        self.metrics.record(results)
+        return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
+    def _commit(self, rows: list[dict], failed: dict, latency: dict, shard: ShardWriter) -> list[dict]:
+        """Commit the error file, then the shard; one metadata row per input row."""
         results: list[dict] = []
         error_rows = []
         for r in rows:
@@ -90,11 +96,9 @@ class HiddenStateExtractor:
         if error_rows:
             body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in error_rows)
             self.store.write_bytes(f"{ERROR_DIR}/part-{digest}.jsonl", body.encode())
-        shard, shard_bytes = "", 0
-        samples = [captured[sid] for sid in todo if sid in captured]
-        if samples:
-            shard, shard_bytes = write_shard(self.store, samples, self.layout)
-        shares = _split_exact(shard_bytes, [s.nbytes for s in samples])
+        name, shard_bytes = shard.commit()
+        shares = _split_exact(shard_bytes, shard.encoded_bytes)
+        tokens = {r["sample_id"]: len(r["input_ids"]) for r in rows}
 
         errors_by_id = {e["sample_id"]: e for e in error_rows}
         for r in rows:
@@ -102,13 +106,19 @@ class HiddenStateExtractor:
             if sid in errors_by_id:
                 e = errors_by_id[sid]
                 results.append(_result(sid, e["status"], e["stage"], e["reason"], len(r["input_ids"])))
-        for s, share in zip(samples, shares):
-            results.append(_result(s.sample_id, "ok", "", "", len(s.input_ids), share, shard, latency.get(s.sample_id, 0.0)))
-        self.metrics.record(results)
-        return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
+        for sid, share in zip(shard.ids, shares):
+            results.append(_result(sid, "ok", "", "", tokens[sid], share, name, latency.get(sid, 0.0)))
+        return results
 
-    def _capture(self, todo: dict[str, dict]):
-        encoding: dict[str, Future] = {}
+    def _capture(self, todo: dict[str, dict], shard: ShardWriter):
+        """Capture, validate and encode every sample (bounded retries); encoded samples go to the shard as they finish."""
+        encoding: list[Future] = []
+
+        def drain(wait: bool) -> None:
+            for f in [f for f in encoding if wait or f.done()]:
+                shard.add(f.result())
+                encoding.remove(f)
+
         failed: dict[str, str] = {}
         latency: dict[str, float] = {}
         pending = list(todo)
@@ -123,7 +133,7 @@ class HiddenStateExtractor:
                 sid, row = res.key, todo[res.key]
                 reason = res.error or check_capture(res.capture, row["input_ids"], self.layout.aux_width, self.layout.hidden_size)
                 if reason is None:
-                    encoding[sid] = self.pool.submit(self._encode, sid, row, res.capture)
+                    encoding.append(self.pool.submit(self._encode, sid, row, res.capture))
                     latency[sid] = res.latency_s
                     failed.pop(sid, None)
                 else:
@@ -131,11 +141,12 @@ class HiddenStateExtractor:
                         res.capture.release()
                     failed[sid] = f"{reason} (after {attempt + 1} attempts)"
                     pending.append(sid)
+                drain(wait=False)
             if pending:
                 logger.warning("attempt %d: %d of %d samples failed, e.g. %s", attempt + 1, len(pending), len(todo), failed[pending[0]])
                 time.sleep(min(2.0**attempt, 10.0))
-        return {sid: f.result() for sid, f in encoding.items()}, failed, latency
-
+        drain(wait=True)
+        return failed, latency
 
     def _encode(self, sid: str, row: dict, cap):
         try:  # the dump's body is read here, on an encoder thread

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -132,25 +133,91 @@ def build_table(samples: list[EncodedSample], layout: ShardLayout) -> pa.Table:
     )
 
 
+# A row group is written once this many encoded bytes are waiting: the shard is written while later
+# samples are still being captured and encoded, and memory holds about one row group, not one shard.
+ROW_GROUP_BYTES = 256 << 20
+
+
+class ShardWriter:
+    """Builds one shard row group by row group; nothing is visible until commit() (temporary, then rename/put).
+
+    The name is decided at commit from the ids written, so the same set of samples always gets the same name.
+    """
+
+    def __init__(self, store: Store, layout: ShardLayout, row_group_bytes: int = ROW_GROUP_BYTES):
+        self.store, self.layout, self.row_group_bytes = store, layout, row_group_bytes
+        self.ids: list[str] = []
+        self.encoded_bytes: list[int] = []
+        self._pending: list[EncodedSample] = []
+        self._tmp: str | None = None
+        self._file = self._writer = None
+
+    def add(self, sample: EncodedSample) -> None:
+        self._pending.append(sample)
+        if sum(s.nbytes for s in self._pending) >= self.row_group_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        table = build_table(self._pending, self.layout)
+        if self._writer is None:
+            self._tmp = self.store.stage(SHARD_DIR)
+            self._file = pa.OSFile(self._tmp, "wb")
+            # Per-column settings name Parquet leaf paths (a list column's leaf is `col.list.element`).
+            plain = [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in table.schema if f.name not in HIDDEN_COLUMNS]
+            self._writer = pq.ParquetWriter(
+                self._file,
+                table.schema,
+                compression={**{c: "zstd" for c in plain}, **{c: "none" for c in HIDDEN_COLUMNS}},
+                compression_level={c: self.layout.zstd_level for c in plain},
+                use_dictionary=["sample_id"],
+                write_statistics=["sample_id", "num_tokens"],
+                # One hidden-state value per page: a page is limited to 2 GiB, a row group of large values is not.
+                write_batch_size=1,
+            )  # fmt: skip
+        self._writer.write_table(table, row_group_size=table.num_rows)
+        self.ids += [s.sample_id for s in self._pending]
+        self.encoded_bytes += [s.nbytes for s in self._pending]
+        self._pending = []
+
+    def commit(self) -> tuple[str, int]:
+        """Write what is left, close and publish; returns (relative name, exact bytes committed), ("", 0) if empty."""
+        self._flush()
+        if self._writer is None:
+            return "", 0
+        self._writer.close()
+        self._file.close()
+        self._writer = None
+        name = shard_name(self.ids)
+        self.store.commit_staged(self._tmp, name)
+        self._tmp = None
+        return name, self.store.size(name)
+
+    def abort(self) -> None:
+        """Drop a shard that will not be committed (the temporary is removed; nothing was visible)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._file.close()
+            self._writer = None
+        if self._tmp and os.path.exists(self._tmp):
+            os.remove(self._tmp)
+        self._tmp = None
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
 def write_shard(store: Store, samples: list[EncodedSample], layout: ShardLayout) -> tuple[str, int]:
     """Commit one shard atomically; returns (relative name, exact bytes committed)."""
-    name = shard_name([s.sample_id for s in samples])
-    table = build_table(samples, layout)
-    # Per-column settings name Parquet leaf paths (a list column's leaf is `col.list.element`).
-    plain = [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in table.schema if f.name not in HIDDEN_COLUMNS]
-    with store.open_atomic(name, native=True) as f:
-        pq.write_table(
-            table,
-            f,
-            compression={**{c: "zstd" for c in plain}, **{c: "none" for c in HIDDEN_COLUMNS}},
-            compression_level={c: layout.zstd_level for c in plain},
-            use_dictionary=["sample_id"],
-            write_statistics=["sample_id", "num_tokens"],
-            row_group_size=max(1, len(samples)),
-            # One hidden-state value per page: a page is limited to 2 GiB, a batch of large values is not.
-            write_batch_size=1,
-        )
-    return name, store.size(name)
+    with ShardWriter(store, layout) as writer:
+        for s in samples:
+            writer.add(s)
+        return writer.commit()
 
 
 def read_layout(schema: pa.Schema) -> dict:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import posixpath
+import tempfile
 import uuid
 from typing import IO, Iterator
 
@@ -63,6 +64,31 @@ class Store:
             # An S3 object appears only when its (multipart) upload completes on close.
             with self.fs.open(final, "wb") as f:
                 yield f
+
+    def stage(self, rel_dir: str) -> str:
+        """A local temporary file to build a file whose name is known only at the end (commit_staged)."""
+        if self.local:
+            parent = self.path(rel_dir)
+            os.makedirs(parent, exist_ok=True)
+        else:
+            parent = tempfile.gettempdir()
+        return posixpath.join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+
+    def commit_staged(self, tmp: str, rel: str) -> None:
+        """Make a staged file visible under `rel` whole: fsync + rename locally, one upload to object storage."""
+        try:
+            if self.local:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.path(rel))
+            else:
+                self.fs.put_file(tmp, self.path(rel))
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.open_atomic(rel) as f:
