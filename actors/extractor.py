@@ -46,13 +46,14 @@ RESULT_SCHEMA = pa.schema(
 
 
 class HiddenStateExtractor:
-    def __init__(self, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int, encode_threads: int | None = None):
+    def __init__(self, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int, encode_threads: int | None = None,
+                 engine_class=SGLangEngine):  # fmt: skip
         self.layout = layout
         self.retries = retries
         self.store = Store(output_url)
         self.metrics = ExtractorMetrics()
         self.pool = ThreadPoolExecutor(encode_threads or min(16, os.cpu_count() or 1), thread_name_prefix="encode")
-        self.engine = SGLangEngine(**engine_kwargs).start()
+        self.engine = engine_class(**engine_kwargs).start()
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)  # absent when __init__ failed before the engine started

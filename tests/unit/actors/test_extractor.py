@@ -1,8 +1,18 @@
+import hashlib
 import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
-from actors.extractor import _split_exact
+from actors.dump import Capture
+from actors.extractor import HiddenStateExtractor, _split_exact
+from actors.sglang_engine import RequestResult
+from pipeline.codec import to_planes
+from pipeline.shards import ShardLayout, open_shards
 from pipeline.shards import ids_digest as batch_digest
 from pipeline.shards import shard_name
 
@@ -43,3 +53,96 @@ def test_batch_digest_is_order_independent_and_content_sensitive():
     assert d != batch_digest(["a", "b", "c", "c2"])
     # Error files and shards of the same batch share the digest scheme.
     assert shard_name(["a", "b", "c"]) == f"shards/part-{d}.parquet"
+
+
+# --- the stage's bounded pipeline, on a stand-in engine (a unit-test aid; the real one is tested in tests/e2e) ---
+
+LAYOUT = ShardLayout((1, 2), 8)
+
+
+def fake_bits(ids: list[int], width: int) -> np.ndarray:
+    """Deterministic bf16 bits from the ids: a sample stored with another's states would not match."""
+    rng = np.random.default_rng(int(hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()[:8], 16))
+    return rng.integers(0, 0x7F00, size=(len(ids), width), dtype=np.uint16)
+
+
+class StandInEngine:
+    """Answers after a delay from a pool of `window` workers, as a server with that in-flight window would."""
+
+    def __init__(self, window: int, delay_s: float, nan_keys=()):
+        self.pool = ThreadPoolExecutor(window)
+        self.delay_s, self.nan_keys = delay_s, set(nan_keys)
+        self.lock = threading.Lock()
+        self.in_flight: dict[str, str] = {}  # key -> batch tag
+        self.mixed = False  # requests of two batches in flight at once
+        self.submitted: list[str] = []
+
+    def start(self):
+        return self
+
+    def close(self):
+        self.pool.shutdown()
+
+    def ensure_alive(self):
+        pass
+
+    def submit(self, key, ids):
+        with self.lock:
+            self.submitted.append(key)
+        return self.pool.submit(self._answer, key, list(ids))
+
+    def _answer(self, key, ids):
+        with self.lock:
+            self.in_flight[key] = key.split("-")[0]
+            self.mixed |= len(set(self.in_flight.values())) > 1
+        time.sleep(self.delay_s)
+        with self.lock:
+            del self.in_flight[key]
+        n = len(ids)
+        header = {"rid": key, "num_tokens": n, "prefix_len": 0, "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(),
+                  "nonfinite": 1 if key in self.nan_keys else 0, "aux_shape": [n, LAYOUT.aux_width], "last_shape": [n, 8]}  # fmt: skip
+        body = np.concatenate([to_planes(fake_bits(ids, LAYOUT.aux_width)).ravel(), to_planes(fake_bits(ids[::-1], 8)).ravel()])
+        return RequestResult(key, Capture(header, None, 0, body), None, self.delay_s)
+
+
+def batch(tag: str, n: int) -> pa.Table:
+    rows = [{"sample_id": f"{tag}-{i}", "source": f"in.jsonl:{i}", "input_ids": list(range(i + 1, i + 4 + i % 5)),
+             "loss_mask": [1] * (3 + i % 5), "status": "ok", "stage": "", "reason": ""} for i in range(n)]  # fmt: skip
+    return pa.Table.from_pylist(rows)
+
+
+def make_stage(tmp_path, engine: StandInEngine) -> HiddenStateExtractor:
+    return HiddenStateExtractor({}, LAYOUT, str(tmp_path), retries=1, encode_threads=2, engine_class=lambda: engine)
+
+
+def test_two_batches_share_the_window_and_commit_once_each(tmp_path):
+    engine = StandInEngine(window=4, delay_s=0.02)
+    stage = make_stage(tmp_path, engine)
+    with ThreadPoolExecutor(2) as calls:  # as Ray runs batches_per_actor calls on threads of one actor
+        a, b = calls.submit(stage, batch("a", 9)), calls.submit(stage, batch("b", 9))
+        out = pa.concat_tables([a.result(), b.result()]).to_pylist()
+    stage.close()
+    assert engine.mixed  # the second batch's requests filled the window while the first was still in flight
+    assert sorted(r["sample_id"] for r in out) == sorted([f"a-{i}" for i in range(9)] + [f"b-{i}" for i in range(9)])
+    assert {r["status"] for r in out} == {"ok"} and len({r["shard"] for r in out}) == 2
+    stored = {s["sample_id"]: s for s in open_shards(str(tmp_path), as_torch=False)}
+    assert len(stored) == 18
+    for sid, s in stored.items():
+        ids = s["input_ids"].tolist()
+        np.testing.assert_array_equal(s["aux_hidden_states"], fake_bits(ids, LAYOUT.aux_width))
+        np.testing.assert_array_equal(s["last_hidden_state"], fake_bits(ids[::-1], 8))
+    shard_bytes = {r["shard"]: 0 for r in out}
+    for r in out:
+        shard_bytes[r["shard"]] += r["bytes"]
+    assert shard_bytes == {name: (tmp_path / name).stat().st_size for name in shard_bytes}  # exact shares
+
+
+def test_a_capture_with_nonfinite_values_is_retried_then_an_error_row(tmp_path):
+    engine = StandInEngine(window=2, delay_s=0.0, nan_keys={"c-1"})
+    stage = make_stage(tmp_path, engine)
+    out = {r["sample_id"]: r for r in stage(batch("c", 3)).to_pylist()}
+    stage.close()
+    assert engine.submitted.count("c-1") == 2  # one retry (retries=1)
+    assert out["c-1"]["status"] == "error" and out["c-1"]["reason"].startswith("1 non-finite hidden-state values")
+    assert [out[k]["status"] for k in ("c-0", "c-2")] == ["ok", "ok"]
+    assert sorted(s["sample_id"] for s in open_shards(str(tmp_path), as_torch=False)) == ["c-0", "c-2"]

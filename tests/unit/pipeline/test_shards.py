@@ -10,6 +10,7 @@ from pipeline.shards import (
     META_KEY,
     EncodedSample,
     ShardLayout,
+    ShardWriter,
     encode_bits,
     list_shards,
     open_shards,
@@ -193,3 +194,29 @@ def test_masked_last_hidden_state_round_trip(tmp_path):
     (c,) = open_shards(str(tmp_path), as_torch=False, expand_last=False)
     np.testing.assert_array_equal(c["last_hidden_state"], last[[2, 3, 5]])
     np.testing.assert_array_equal(c["aux_hidden_states"], aux)
+
+
+def test_shard_writer_writes_row_groups_and_names_the_shard_at_commit(tmp_path):
+    store = Store(str(tmp_path))
+    samples = make_samples(5, seed=4)
+    writer = ShardWriter(store, LAYOUT, row_group_bytes=1)  # every sample its own row group
+    for s in samples:
+        writer.add(s.encoded())
+    assert list_shards(store) == []  # nothing visible before commit
+    name, nbytes = writer.commit()
+    assert name == shard_name([s.sample_id for s in samples]) and nbytes == os.path.getsize(store.path(name))
+    assert pq.ParquetFile(store.path(name)).metadata.num_row_groups == 5
+    rows = list(open_shards(str(tmp_path), as_torch=False))
+    for r, s in zip(rows, samples):
+        np.testing.assert_array_equal(r["aux_hidden_states"], s.aux)
+    assert os.listdir(store.path("shards")) == [name.split("/")[-1]]
+
+
+def test_shard_writer_abort_leaves_nothing(tmp_path):
+    store = Store(str(tmp_path))
+    with pytest.raises(RuntimeError):
+        with ShardWriter(store, LAYOUT, row_group_bytes=1) as writer:
+            writer.add(make_samples(1)[0].encoded())
+            raise RuntimeError("the batch failed mid-way")
+    assert os.listdir(store.path("shards")) == []
+    assert ShardWriter(store, LAYOUT).commit() == ("", 0)  # no samples, no shard
