@@ -40,6 +40,10 @@ _OWNED_FLAGS = (
     "--speculative-algorithm",
     "--return-aux-hidden-state-layer-ids",
     "--enable-mixed-chunk",
+    # A prefill CUDA graph would replay the forward without the hook's host-side code (no dumps).
+    "--disable-prefill-cuda-graph",
+    "--cuda-graph-backend-prefill",
+    "--cuda-graph-config",
     # SGLang's aliases for owned flags.
     "--model",
     "--tensor-parallel-size",
@@ -98,6 +102,8 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
             "--speculative-algorithm", "EAGLE3",
             "--return-aux-hidden-state-layer-ids", *[str(i) for i in spec.aux_layers],
         ]  # fmt: skip
+    if not spec.cpu:
+        cmd += ["--disable-prefill-cuda-graph"]  # SGLang 0.5.23 captures prefill graphs on CUDA by default
     if spec.cpu:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         # SGLang sizes the KV cache as a fraction of memory; its GPU default leaves nothing on a CPU host.

@@ -59,6 +59,14 @@ def test_command_always_disables_truncating_features(cpu):
     assert value_after(cmd, "--tp-size") == ["1" if cpu else "2"]
 
 
+def test_prefill_cuda_graphs_are_off_on_gpus_and_cannot_be_turned_on():
+    """A prefill CUDA graph would replay the forward without the hook (no dumps)."""
+    assert "--disable-prefill-cuda-graph" in build_command(spec(cpu=False), 1)
+    for flag in ("--cuda-graph-backend-prefill=breakable", "--cuda-graph-config={}", "--disable-prefill-cuda-graph"):
+        with pytest.raises(ValueError, match="may not set"):
+            spec(cpu=False, extra_flags=(flag,))
+
+
 def test_cpu_flags_only_in_cpu_mode():
     cpu = build_command(spec(cpu=True), 1)
     assert value_after(cpu, "--device") == ["cpu"]

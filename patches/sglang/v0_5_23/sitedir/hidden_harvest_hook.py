@@ -267,6 +267,12 @@ def _write_all(fd: int, parts: list) -> None:
 _publisher: DumpPublisher | None = None
 
 
+def _capturing_graph() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
 def _patch(module) -> None:
     global _publisher
     _check_version()
@@ -285,6 +291,11 @@ def _patch(module) -> None:
             and _tp_rank() == 0
         ):
             fb = logits_metadata
+            if hidden_states.is_cuda and _capturing_graph():
+                raise RuntimeError(
+                    "hidden-harvest's hook is being captured into a CUDA graph: a replay would skip it and no "
+                    "hidden states would be dumped; run SGLang with --disable-prefill-cuda-graph (the engine does)"
+                )
             _publisher.capture(input_ids, hidden_states, aux_hidden_states, fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)
         return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states, *args, **kwargs)
 
