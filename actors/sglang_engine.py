@@ -100,17 +100,18 @@ class SGLangEngine:
     def healthy(self) -> bool:
         return self.server.healthy()
 
-    def _next_rid(self) -> str:
-        # Unique per attempt: a retry never reads a dump left by an earlier attempt.
+    def _next_rid(self, tokens: int) -> str:
+        # Unique per attempt: a retry never reads a dump left by an earlier attempt. The prompt length
+        # rides along (`.t<tokens>`) so the hook knows which prefill chunk is a request's last.
         with self._lock:
             self._counter += 1
-            return f"{RID_PREFIX}{self._tag}-{self._counter}"
+            return f"{RID_PREFIX}{self._tag}-{self._counter}.t{tokens}"
 
     def submit(self, key: str, ids: list[int]) -> Future:
         """Queue one request; the Future gives its RequestResult. Thread-safe."""
         if self._loop is None:
             raise EngineDied("engine is not started")
-        return asyncio.run_coroutine_threadsafe(self._capture_one(key, ids, self._next_rid()), self._loop)
+        return asyncio.run_coroutine_threadsafe(self._capture_one(key, ids, self._next_rid(len(ids))), self._loop)
 
     def capture(self, requests: list[tuple[str, list[int]]]) -> dict[str, RequestResult]:
         """Every request at once under the window; results keyed by the caller's key."""

@@ -3,8 +3,9 @@
 The server runs on 127.0.0.1 as `python -m sglang.launch_server`. The hook (patches/sglang/) reaches
 the scheduler process through PYTHONPATH, and writes each request's hidden states into `dump_dir`
 as `<rid>.hhd`. Flags that would silently truncate hidden states are set here and cannot be
-overridden by the user: the radix cache (a repeated prompt would return only its uncached suffix)
-and chunked prefill (a long prompt would return only its last chunk; the hook does not assemble chunks).
+overridden by the user: the radix cache (a repeated prompt would return only its uncached suffix). The
+prefill chunk size is a setting of its own (engine.chunked_prefill_size): the hook assembles chunks by
+request id, so it is never passed through server_flags either.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class ServerSpec:
     aux_layers: tuple[int, ...]
     dump_dir: Path
     tp_size: int = 1
+    # Prefill chunk size in tokens (-1: never chunk). The hook assembles a request's chunks by request id.
+    chunked_prefill_size: int = 8192
     cpu: bool = True
     cpu_threads: int | None = None
     # False: a plain server without aux capture or hook (the benchmark's baseline), never used by the job.
@@ -94,7 +97,7 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         "--port", str(port),
         "--tp-size", str(spec.tp_size),
         "--disable-radix-cache",
-        "--chunked-prefill-size", "-1",
+        "--chunked-prefill-size", str(spec.chunked_prefill_size),
     ]  # fmt: skip
     if spec.capture:
         cmd += [

@@ -21,6 +21,8 @@ def check_capture(cap: Capture, input_ids: list[int], aux_width: int, hidden_siz
     """None when the capture is the hidden states of exactly these input ids; else the reason."""
     n = len(input_ids)
     h = cap.header
+    if h.get("error"):
+        return f"capture failed in the server: {h['error']}"
     if h.get("prefix_len", 0) != 0:
         return f"server reused {h['prefix_len']} cached prefix tokens; the capture would be truncated"
     if h["num_tokens"] != n:

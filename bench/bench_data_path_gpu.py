@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -54,12 +54,9 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 
 
 def load_hook():
-    path = ROOT / "patches" / "sglang" / "v0_5_23" / "sitedir" / "hidden_harvest_hook.py"
-    spec = importlib.util.spec_from_file_location("hidden_harvest_hook", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The hook's publisher, as the patched server imports it (no SGLang needed)."""
+    sys.path.insert(0, str(ROOT / "patches" / "sglang" / "v0_5_23" / "sitedir"))
+    return importlib.import_module("hidden_harvest_publisher")
 
 
 def lengths(scale: float) -> list[int]:

@@ -46,9 +46,19 @@ class EngineConfig(_Strict):
     # CPU mode only: threads the server's torch may use (None: this host's cores / num_actors).
     # Ray pins OMP_NUM_THREADS to the actor's num_cpus, which would leave the server one thread.
     cpu_threads: int | None = Field(None, ge=1)
+    # Prefill chunk size in tokens: bounds prefill memory (hybrid-attention models need chunking); the hook
+    # assembles each request's chunks, so long prompts come out whole. -1 turns chunking off.
+    chunked_prefill_size: int = Field(8192, ge=-1)
     server_flags: tuple[str, ...] = ()
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _chunk_size(cls, v):
+        if v == 0:
+            raise ValueError("chunked_prefill_size must be a positive number of tokens, or -1 for no chunking")
+        return v
 
     def gpus_per_actor(self, cuda: bool) -> int:
         return self.tp_size if cuda else 0

@@ -119,6 +119,7 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
             "model_dir": plan.model_dir,
             "aux_layers": plan.layout.aux_layers,
             "tp_size": cfg.engine.tp_size,
+            "chunked_prefill_size": cfg.engine.chunked_prefill_size,
             "cpu": not plan.cuda,
             "cpu_threads": cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors),
             "extra_flags": tuple(cfg.engine.server_flags),

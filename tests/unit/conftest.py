@@ -19,24 +19,26 @@ def chat_tokenizer(model_dir):
     return ChatTokenizer(model_dir)
 
 
+SITEDIR = REPO_ROOT / "patches" / "sglang" / "v0_5_23" / "sitedir"
+
+
 @pytest.fixture(scope="session")
-def dump_hook():
-    """The SGLang hook module, loaded from its file (it imports no sglang at module level)."""
-    import importlib.util
+def hook_modules():
+    """The server-side modules (they import no sglang at module level), as the server imports them."""
+    import importlib
     import sys
 
-    path = REPO_ROOT / "patches" / "sglang" / "v0_5_23" / "sitedir" / "hidden_harvest_hook.py"
-    spec = importlib.util.spec_from_file_location("hidden_harvest_hook_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(SITEDIR))  # sitecustomize only runs at interpreter start: adding the dir is inert
+    names = {"hook": "hidden_harvest_hook", "publisher": "hidden_harvest_publisher", "faults": "hidden_harvest_faults"}
+    return SimpleNamespace(**{k: importlib.import_module(v) for k, v in names.items()})
 
 
 @pytest.fixture
-def publish(dump_hook, tmp_path):
+def publish(hook_modules, tmp_path):
     """The hook's real publisher on CPU tensors, writing into tmp_path; returns once the dumps are published."""
-    publisher = dump_hook.DumpPublisher(str(tmp_path), "hh-")
+    publisher = hook_modules.publisher.DumpPublisher(str(tmp_path), "hh-")
 
     def run(rids, input_ids, hidden, aux, seq_lens, prefix_lens=None):
         publisher.capture(input_ids, hidden, aux, rids, seq_lens, prefix_lens)

@@ -110,3 +110,34 @@ def test_hook_ignores_batches_without_prefixed_rids(publish, tmp_path):
     t = torch.zeros(2, 4, dtype=torch.bfloat16)
     publish(["warmup"], torch.arange(2), t, [t], [2], None)
     assert os.listdir(tmp_path) == []
+
+
+def test_prefill_chunks_are_assembled_per_request(publish, tmp_path):
+    """A 7-token prompt prefilled as chunks 0..3 and 3..7, each batched with other work, dumps as one whole."""
+    torch.manual_seed(1)
+    ids = torch.arange(500, 507)
+    hidden = torch.randn(7, 4, dtype=torch.bfloat16)
+    aux = [torch.randn(7, 4, dtype=torch.bfloat16) for _ in range(2)]
+    other = torch.randn(2, 4, dtype=torch.bfloat16)
+    rid, whole = "hh-x-1.t7", "hh-x-2.t2"
+    # chunk 1 of rid beside a whole short request; chunk 2 alone
+    publish([rid, whole], torch.cat([ids[:3], ids[:2]]), torch.cat([hidden[:3], other]),
+            [torch.cat([a[:3], other]) for a in aux], [3, 2], [0, 0])  # fmt: skip
+    assert sorted(os.listdir(tmp_path)) == [f"{whole}.hhd"]  # the long one is not published half done
+    publish([rid], ids[3:], hidden[3:], [a[3:] for a in aux], [4], [3])
+    cap = read_dump(dump_path(tmp_path, rid))
+    assert cap.header["num_tokens"] == 7 and cap.header["prefix_len"] == 0
+    assert check_capture(cap, ids.tolist(), aux_width=8, hidden_size=4) is None
+    got_aux, got_last = cap.bits()
+    as_bits = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    np.testing.assert_array_equal(got_aux, as_bits(torch.cat(aux, dim=-1)))
+    np.testing.assert_array_equal(got_last, as_bits(hidden))
+
+
+def test_a_chunk_out_of_order_gives_an_error_dump(publish, tmp_path):
+    t = torch.zeros(4, 4, dtype=torch.bfloat16)
+    publish(["hh-y-1.t8"], torch.arange(4), t, [t], [4], [0])
+    publish(["hh-y-1.t8"], torch.arange(4), t, [t], [4], [5])  # rows 5..9: a gap and past the end
+    cap = read_dump(dump_path(tmp_path, "hh-y-1.t8"))
+    reason = check_capture(cap, list(range(8)), aux_width=4, hidden_size=4)
+    assert reason.startswith("capture failed in the server: prefill chunk out of order")

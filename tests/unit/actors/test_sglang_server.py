@@ -50,13 +50,19 @@ def test_command_always_disables_truncating_features(cpu):
     cmd = build_command(spec(cpu=cpu, tp_size=1 if cpu else 2), 4321)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     assert "--disable-radix-cache" in cmd
-    assert value_after(cmd, "--chunked-prefill-size") == ["-1"]
+    assert value_after(cmd, "--chunked-prefill-size") == ["8192"]  # the hook assembles chunks
     assert value_after(cmd, "--return-aux-hidden-state-layer-ids", 3) == ["2", "15", "27"]
     assert "--enable-return-aux-hidden-states" in cmd
     assert value_after(cmd, "--model-path") == ["/models/m"]
     assert value_after(cmd, "--port") == ["4321"]
     assert value_after(cmd, "--host") == ["127.0.0.1"]
     assert value_after(cmd, "--tp-size") == ["1" if cpu else "2"]
+
+
+def test_chunked_prefill_size_is_the_engines_setting():
+    assert value_after(build_command(spec(chunked_prefill_size=-1), 1), "--chunked-prefill-size") == ["-1"]
+    with pytest.raises(ValueError, match="may not set"):
+        spec(extra_flags=("--chunked-prefill-size", "128"))
 
 
 def test_prefill_cuda_graphs_are_off_on_gpus_and_cannot_be_turned_on():

@@ -3,45 +3,22 @@
 Wraps ``LogitsProcessor.forward`` (srt/layers/logits_processor.py). At its entry, for an extend (prefill)
 batch, ``hidden_states`` is the final-norm output [T_batch, H] and ``aux_hidden_states`` holds the residual
 stream after each layer chosen by ``--return-aux-hidden-state-layer-ids``; rows are packed in batch order and
-map to requests through ``forward_batch.rids`` and ``extend_seq_lens_cpu``. Pruning to the last token happens
-later inside that function, so the entry sees every row.
-
-On the forward path (``DumpPublisher.capture``) only device work is queued, on the current stream: the
-non-finite count per row and each request's bf16 bits rearranged into byte planes [2, W, T] (the layout the
-shard codec stores, pipeline/codec.py) in one staging tensor. One asynchronous copy of it into a reused
-pinned host buffer then runs on a side stream (the copy engine), followed by an event. The GPU never waits
-for the host and the forward stream never waits for the copy. A writer thread waits for the event and
-publishes one file per request, ``<rid>.hhd`` in HIDDEN_HARVEST_DUMP_DIR (temporary name, then rename: a
-reader never sees a partial dump). Lifetimes: the model's tensors are read only by kernels on the forward
-stream, before the hook returns; the staging tensor is marked as used by the copy stream (record_stream),
-so the caching allocator reuses it only after the copy; a host buffer is reused only after the writer has
-published everything in it (two buffers: one filling while the other is written out).
-
-Dump layout: 8-byte little-endian header length, a JSON header, the aux planes [2, K*H, T] and the final
-planes [2, H, T] (uint8; plane 0 low bytes, channel-major). The header carries the sha256 of the input ids as
-the server saw them, the prefix length the server reused and the non-finite count, so the client can prove
-the dump belongs to what it sent, is complete and holds finite values without reading the data.
+map to requests through ``forward_batch.rids``, ``extend_seq_lens_cpu`` and ``extend_prefix_lens_cpu``.
+Pruning to the last token happens later inside that function, so the entry sees every row. Everything
+SGLang-specific is here; what is done with the rows is hidden_harvest_publisher.py (version-independent).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.abc
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
-import queue
-import struct
 import sys
-import threading
-from dataclasses import dataclass
 
 PINNED_SGLANG_VERSION = "0.5.23"
 _TARGET_MODULE = "sglang.srt.layers.logits_processor"
-# Host buffers per server: one being filled by the GPU while the writer publishes the other.
-_HOST_SLOTS = 2
 
 logger = logging.getLogger("hidden_harvest_hook")
 
@@ -71,200 +48,7 @@ def _tp_rank() -> int:
     return 0
 
 
-@dataclass
-class _Request:
-    rid: str
-    row: int  # first row in the batch
-    n: int
-    prefix_len: int
-    offset: int  # of its planes in the host buffer
-
-
-@dataclass
-class _Job:
-    slot: int
-    event: object  # torch.cuda.Event, or None on CPU (the copy already happened)
-    rows: int
-    nbytes: int  # of the host buffer in use
-    requests: list[_Request]
-    aux_width: int
-    hidden_size: int
-    source_dtype: str
-
-
-def _blocks(aux) -> list:
-    """The aux capture as column blocks [T, w_i]: a list of K [T, H] tensors, or one packed [T, K*H]."""
-    return list(aux) if isinstance(aux, (list, tuple)) else [aux]
-
-
-def _bf16_rows(x, rows: slice):
-    import torch
-
-    x = x[rows]
-    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-
-
-def _split_planes(dst, x, rows: slice) -> None:
-    """dst[2, w, n] (uint8) = the bf16 bits of x[rows] ([n, w]) as byte planes: plane 0 low bytes, channel-major."""
-    import torch
-
-    x = _bf16_rows(x, rows)
-    n, w = x.shape
-    if x.is_cuda:  # one strided copy kernel: cheap on the device
-        dst.copy_(x.contiguous().view(torch.uint8).view(n, w, 2).permute(2, 1, 0))
-        return
-    # On the CPU a 2-byte transpose then a de-interleave is ~2x faster than the byte-wise permute.
-    cols = x.contiguous().view(torch.int16).numpy().T.copy().view("u1").reshape(w, n, 2)
-    out = dst.numpy()
-    out[0] = cols[..., 0]
-    out[1] = cols[..., 1]
-
-
-class DumpPublisher:
-    """Queues device work and one async copy per forward; a writer thread publishes the dumps."""
-
-    def __init__(self, dump_dir: str, prefix: str):
-        self.dump_dir = dump_dir
-        self.prefix = prefix
-        self._hosts: list = [None] * _HOST_SLOTS
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(_HOST_SLOTS):
-            self._free.put(i)
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._copy_stream = None  # created on the first CUDA batch
-        self._writer = threading.Thread(target=self._write_loop, name="hidden-harvest-dump-writer", daemon=True)
-        self._writer.start()
-
-    def _host(self, slot: int, nbytes: int, pinned: bool):
-        import torch
-
-        buf = self._hosts[slot]
-        if buf is None or buf.numel() < nbytes:
-            # Grown in powers of two so pinning (slow, once) is rare; reused for every later forward.
-            size = 1 << max(nbytes - 1, 1 << 20).bit_length()
-            logger.info("hidden-harvest: %s host buffer %d of %.1f MiB", "pinned" if pinned else "plain", slot, size / 2**20)
-            buf = self._hosts[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        return buf
-
-    def capture(self, input_ids, hidden_states, aux_hidden_states, rids, seq_lens, prefix_lens) -> None:
-        """Forward path: queue the device work and the copy; never waits for the host."""
-        rids = list(rids or [])
-        if not any(r.startswith(self.prefix) for r in rids):
-            return
-        prefix_lens = list(prefix_lens or [0] * len(rids))
-        blocks = _blocks(aux_hidden_states)
-        aux_width = sum(int(b.shape[-1]) for b in blocks)
-        hidden = int(hidden_states.shape[-1])
-        # Rows are cut by the summed sequence lengths, never by tensor length: GPU graphs may pad rows.
-        rows = int(sum(seq_lens))
-        requests, start, offset = [], 0, 8 * rows  # int32 input ids, then an int32 non-finite count, per row
-        for rid, n, p in zip(rids, seq_lens, prefix_lens):
-            if rid.startswith(self.prefix):
-                requests.append(_Request(rid, start, int(n), int(p), offset))
-                offset += 2 * (aux_width + hidden) * int(n)
-            start += int(n)
-        job = _Job(self._free.get(), None, rows, offset, requests, aux_width, hidden, str(blocks[0].dtype))
-        try:
-            self._queue_copy(job, input_ids, hidden_states, blocks)
-        except Exception:  # never break the forward: the client finds no dump and retries the request
-            logger.exception("hidden-harvest: capturing a batch failed")
-            self._free.put(job.slot)
-            return
-        self._jobs.put(job)
-
-    def _queue_copy(self, job: _Job, input_ids, hidden_states, blocks) -> None:
-        import torch
-
-        cuda = hidden_states.is_cuda
-        rows, w_aux, h = job.rows, job.aux_width, job.hidden_size
-        host = self._host(job.slot, job.nbytes, pinned=cuda)
-        stage = torch.empty(job.nbytes, dtype=torch.uint8, device=hidden_states.device) if cuda else host[: job.nbytes]
-        stage[: 4 * rows].view(torch.int32).copy_(input_ids[:rows])
-        bad = (~torch.isfinite(hidden_states[:rows])).sum(-1, dtype=torch.int32)
-        for b in blocks:
-            bad += (~torch.isfinite(b[:rows])).sum(-1, dtype=torch.int32)
-        stage[4 * rows : 8 * rows].view(torch.int32).copy_(bad)
-        for r in job.requests:
-            span = slice(r.row, r.row + r.n)
-            aux = stage[r.offset : r.offset + 2 * w_aux * r.n].view(2, w_aux, r.n)
-            col = 0
-            for b in blocks:
-                w = int(b.shape[-1])
-                _split_planes(aux[:, col : col + w], b, span)
-                col += w
-            end = r.offset + 2 * w_aux * r.n
-            _split_planes(stage[end : end + 2 * h * r.n].view(2, h, r.n), hidden_states, span)
-        if cuda:
-            # The copy runs on a stream of its own, after the work above, on the copy engine: the next
-            # forward does not queue behind it. record_stream keeps the allocator from handing the staging
-            # memory to anyone else until the copy stream is done with it.
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=stage.device)
-            self._copy_stream.wait_stream(torch.cuda.current_stream(stage.device))
-            with torch.cuda.stream(self._copy_stream):
-                host[: job.nbytes].copy_(stage, non_blocking=True)
-                stage.record_stream(self._copy_stream)
-                job.event = torch.cuda.Event()
-                job.event.record(self._copy_stream)
-
-    def _write_loop(self) -> None:
-        import numpy as np
-
-        while True:
-            job = self._jobs.get()
-            try:
-                if job.event is not None:
-                    job.event.synchronize()
-                host = self._hosts[job.slot].numpy()
-                ids = host[: 4 * job.rows].view(np.int32)
-                bad = host[4 * job.rows : 8 * job.rows].view(np.int32)
-                for r in job.requests:
-                    self._publish(r, job, ids[r.row : r.row + r.n], int(bad[r.row : r.row + r.n].sum()), host)
-            except Exception:  # a dump not published is caught by the client (missing dump -> retry)
-                logger.exception("hidden-harvest: publishing dumps failed")
-            finally:
-                self._free.put(job.slot)
-                self._jobs.task_done()
-
-    def flush(self) -> None:
-        """Wait until every queued dump is published (tests and benchmarks; the server never waits)."""
-        self._jobs.join()
-
-    def _publish(self, r: _Request, job: _Job, ids, nonfinite: int, host) -> None:
-        header = {
-            "rid": r.rid,
-            "num_tokens": r.n,
-            "prefix_len": r.prefix_len,
-            "ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-            "nonfinite": nonfinite,
-            "layout": "planes",
-            "aux_shape": [r.n, job.aux_width],
-            "last_shape": [r.n, job.hidden_size],
-            "source_dtype": job.source_dtype,
-        }
-        head = json.dumps(header).encode()
-        body = memoryview(host)[r.offset : r.offset + 2 * (job.aux_width + job.hidden_size) * r.n]
-        tmp = os.path.join(self.dump_dir, f".{r.rid}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            _write_all(fd, [struct.pack("<Q", len(head)), head, body])
-        finally:
-            os.close(fd)
-        os.replace(tmp, os.path.join(self.dump_dir, f"{r.rid}.hhd"))
-
-
-def _write_all(fd: int, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        written = os.writev(fd, views)
-        while views and written >= views[0].nbytes:
-            written -= views[0].nbytes
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
-
-
-_publisher: DumpPublisher | None = None
+_publisher = None  # hidden_harvest_publisher.DumpPublisher, made when the target module is patched
 
 
 def _capturing_graph() -> bool:
@@ -276,7 +60,16 @@ def _capturing_graph() -> bool:
 def _patch(module) -> None:
     global _publisher
     _check_version()
-    _publisher = DumpPublisher(os.environ["HIDDEN_HARVEST_DUMP_DIR"], os.environ.get("HIDDEN_HARVEST_RID_PREFIX", "hh-"))
+    dump_dir = os.environ["HIDDEN_HARVEST_DUMP_DIR"]
+    faults = None
+    if os.environ.get("HIDDEN_HARVEST_FAULTS"):  # tests only
+        from hidden_harvest_faults import Faults
+
+        faults = Faults.from_env(dump_dir)
+        logger.warning("hidden-harvest: FAULT INJECTION ON (%s)", os.environ["HIDDEN_HARVEST_FAULTS"])
+    from hidden_harvest_publisher import DumpPublisher
+
+    _publisher = DumpPublisher(dump_dir, os.environ.get("HIDDEN_HARVEST_RID_PREFIX", "hh-"), faults)
     cls = module.LogitsProcessor
     original = cls.forward
     if getattr(original, "_hidden_harvest", False):
