@@ -36,6 +36,7 @@ class RequestResult:
     capture: Capture | None
     error: str | None
     latency_s: float
+    rid: str = ""
 
 
 def default_dump_root() -> Path:
@@ -131,23 +132,23 @@ class SGLangEngine:
                 async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
                     body = await resp.read()
                     if resp.status != 200:
-                        return RequestResult(key, None, f"server answered {resp.status}: {body[:200]!r}", 0.0)
+                        return RequestResult(key, None, f"server answered {resp.status}: {body[:200]!r}", 0.0, rid)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return RequestResult(key, None, f"request failed: {type(e).__name__}: {e}", 0.0)
+                return RequestResult(key, None, f"request failed: {type(e).__name__}: {e}", 0.0, rid)
             latency = time.monotonic() - t0
         path = dump_path(self._dump_dir, rid)
         if not await self._published(path):
-            return RequestResult(key, None, f"no hidden-state dump for request {rid} after {self.dump_timeout_s:.0f}s", latency)
+            return RequestResult(key, None, f"no hidden-state dump for request {rid} after {self.dump_timeout_s:g}s", latency, rid)
         try:
             cap = read_dump(path)
         except (DumpError, OSError) as e:
-            return RequestResult(key, None, f"unreadable dump: {e}", latency)
+            return RequestResult(key, None, f"unreadable dump: {e}", latency, rid)
         finally:
             path.unlink(missing_ok=True)  # the open descriptor keeps the bytes until the sample is encoded
         if cap.header.get("rid") != rid:
             cap.close()
-            return RequestResult(key, None, f"dump for {rid} names request {cap.header.get('rid')}", latency)
-        return RequestResult(key, cap, None, latency)
+            return RequestResult(key, None, f"dump for {rid} names request {cap.header.get('rid')}", latency, rid)
+        return RequestResult(key, cap, None, latency, rid)
 
     async def _published(self, path: Path) -> bool:
         deadline = time.monotonic() + self.dump_timeout_s

@@ -52,6 +52,8 @@ class EngineConfig(_Strict):
     server_flags: tuple[str, ...] = ()
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    # How long a dump may take to appear after its answer (the hook publishes from a thread).
+    dump_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("chunked_prefill_size")
     @classmethod

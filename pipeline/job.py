@@ -127,6 +127,7 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
         },
         "max_in_flight": cfg.engine.max_in_flight,
         "request_timeout_s": cfg.engine.request_timeout_s,
+        "dump_timeout_s": cfg.engine.dump_timeout_s,
     }
     return dict(engine_kwargs=engine, layout=plan.layout, output_url=cfg.output.path, retries=cfg.extract.retries,
                 encode_threads=cfg.output.encode_threads)  # fmt: skip
