@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-unit bench clean
+.PHONY: install run test test-stress test-unit bench clean
 
 # torch/torchvision first (SGLang's pinned CUDA build, which also runs on CPU), then the complete
 # pinned set without resolution: sglang's metadata asks for CUDA-only kernels that CPU mode never imports.
@@ -22,7 +22,10 @@ run: install
 	$(BIN)/harvest run conf/default.yaml
 
 test: install
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m "not stress"
+
+test-stress: install
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m stress -s
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit -q
