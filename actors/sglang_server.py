@@ -27,6 +27,7 @@ from patches.sglang import server_pythonpath
 logger = logging.getLogger(__name__)
 
 RID_PREFIX = "hh-"
+CPU_MEM_FRACTION = "0.2"
 
 # Flags the engine owns; a user flag naming one of them is refused.
 _OWNED_FLAGS = (
@@ -109,9 +110,11 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--disable-prefill-cuda-graph"]  # SGLang 0.5.23 captures prefill graphs on CUDA by default
     if spec.cpu:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
-        # SGLang sizes the KV cache as a fraction of memory; its GPU default leaves nothing on a CPU host.
+        # SGLang sizes the KV cache as (free memory after loading) - (1 - fraction) x (free memory before);
+        # its GPU default leaves nothing on a CPU host, and a small fraction fails the start whenever another
+        # process (a second actor's server starting beside this one) takes that much memory meanwhile.
         if not any(f.split("=")[0] in ("--mem-fraction-static", "--max-total-tokens") for f in spec.extra_flags):
-            cmd += ["--mem-fraction-static", "0.08"]
+            cmd += ["--mem-fraction-static", CPU_MEM_FRACTION]
     return cmd
 
 

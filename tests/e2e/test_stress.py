@@ -55,8 +55,10 @@ def as_float(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).mean())
+def typical_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Median per-token cosine: a few early tokens of a random prompt diverge far between any bf16 forward and
+    float32 (FACTS), which drags a mean; the median is the sample's typical agreement."""
+    return float(np.median((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
 
 @pytest.mark.parametrize("n", [pytest.param(240, id="fast"), pytest.param(1200, id="full", marks=pytest.mark.stress)])
@@ -77,13 +79,12 @@ def test_no_sample_is_stored_with_another_samples_states(n, ray_session, make_co
     for sid, s in stored.items():
         assert s["input_ids"].tolist() == samples[sid]
         got = as_float(s["last_hidden_state"])
-        own = mean_cosine(got, ref[sid])
+        own = typical_cosine(got, ref[sid])
         # Every other sample of the same length with different content: a swap would look like one of them.
-        # bf16 noise on 16-token random prompts brings a sample's own mean cosine down to ~0.97; another
-        # sample's states stay near 0.7-0.8, so the own reference must win by a clear margin.
+        # Another sample's states agree near 0.7-0.8; the own reference must be close and win by a clear margin.
         others = [k for k in samples if len(samples[k]) == len(samples[sid]) and samples[k] != samples[sid]]
-        rival = max(mean_cosine(got, ref[k]) for k in others)
-        if not (own > 0.95 and own > rival + 0.1):
+        rival = max(typical_cosine(got, ref[k]) for k in others)
+        if not (own > 0.97 and own > rival + 0.1):
             wrong.append((sid, round(own, 4), round(rival, 4)))
     print(f"{n} samples, 2 actors x 32 in flight: {len(wrong)} stored with another sample's states")
     assert not wrong, wrong[:5]

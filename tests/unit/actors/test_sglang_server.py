@@ -88,9 +88,9 @@ def test_cpu_flags_only_in_cpu_mode():
     [("--mem-fraction-static", "0.3"), ("--mem-fraction-static=0.3",), ("--max-total-tokens", "4096")],
 )
 def test_default_mem_fraction_only_when_user_sets_none(flags):
-    assert value_after(build_command(spec(cpu=True), 1), "--mem-fraction-static") == ["0.08"]
+    assert value_after(build_command(spec(cpu=True), 1), "--mem-fraction-static") == ["0.2"]
     cmd = build_command(spec(cpu=True, extra_flags=flags), 1)
-    assert "0.08" not in cmd
+    assert "0.2" not in cmd
     assert sum(f.split("=")[0] == "--mem-fraction-static" for f in cmd) == (0 if "--max-total-tokens" in flags else 1)
 
 
