@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.codec import from_planes
+from pipeline.codec import Codec, from_planes
 
 _MAX_HEADER = 1 << 20
 
@@ -65,6 +65,26 @@ class Capture:
         """uint8 planes [2, H, T]."""
         n = int(np.prod(self.aux_shape))
         return self._load()[n:].reshape(self.last_shape)
+
+    def encode(self, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
+        """The stored values of both columns, read straight from the file: each low plane lands where it is
+        stored and only the high planes pass through a scratch buffer (raw: no buffer between at all)."""
+        if self._fd is None:  # already read (or built in memory): encode from the planes
+            return codec.encode(self.aux), codec.encode(self.last)
+        na, nl = int(np.prod(self.aux_shape[1:])), int(np.prod(self.last_shape[1:]))
+        va, vl = codec.allocate(na), codec.allocate(nl)
+        if codec.encoding == "raw":
+            parts, his = [va[: 2 * na], vl[: 2 * nl]], (None, None)
+        else:
+            his = (np.frombuffer(pa.allocate_buffer(na), np.uint8), np.frombuffer(pa.allocate_buffer(nl), np.uint8))
+            parts = [va[:na], his[0], vl[:nl], his[1]]
+        try:
+            got = os.preadv(self._fd, parts, self._offset)
+        finally:
+            self.close()
+        if got != 2 * (na + nl):
+            raise DumpError(f"dump for {self.header.get('rid')} shrank while being read ({got} of {2 * (na + nl)} bytes)")
+        return codec.finish(va, na, his[0]), codec.finish(vl, nl, his[1])
 
     def bits(self) -> tuple[np.ndarray, np.ndarray]:
         """uint16 bf16 bits [T, K*H] and [T, H] (for tests and comparisons; the job never needs them)."""

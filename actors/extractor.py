@@ -25,7 +25,7 @@ from actors.metrics import ExtractorMetrics
 from actors.sglang_engine import SGLangEngine
 from actors.validate import check_capture
 from pipeline.manifest import ERROR_DIR
-from pipeline.shards import ShardLayout, ShardWriter, encode_sample, ids_digest
+from pipeline.shards import EncodedSample, ShardLayout, ShardWriter, encode_sample, ids_digest
 from pipeline.storage import Store
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,9 @@ class HiddenStateExtractor:
 
     def _encode(self, sid: str, row: dict, cap):
         try:  # the dump's body is read here, on an encoder thread
+            if self.layout.last_rows == "all":
+                aux, last = cap.encode(self.layout.codec)
+                return EncodedSample(sid, row["input_ids"], row["loss_mask"], aux, last)
             return encode_sample(sid, row["input_ids"], row["loss_mask"], cap.aux, cap.last, self.layout)
         finally:
             cap.release()  # memory stays flat: only the encoded sample lives on until the shard is written

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.dump import dump_path, read_dump  # noqa: E402
 from actors.validate import check_capture  # noqa: E402
-from pipeline.shards import ShardLayout, ShardWriter, encode_sample  # noqa: E402
+from pipeline.shards import EncodedSample, ShardLayout, ShardWriter  # noqa: E402
 from pipeline.storage import Store  # noqa: E402
 
 K = 3
@@ -162,9 +162,10 @@ def actor_path(dump_dir: Path, rids: list[str], ids: list[list[int]], hidden: in
     pool = ThreadPoolExecutor(threads)
     groups = [list(zip(rids, ids))[i::batches] for i in range(batches)]
 
-    def encode(rid, ids, cap):
+    def encode(rid, ids, cap):  # HiddenStateExtractor._encode
         try:
-            return encode_sample(rid, ids, [1] * len(ids), cap.aux, cap.last, layout)
+            aux, last = cap.encode(layout.codec)
+            return EncodedSample(rid, ids, [1] * len(ids), aux, last)
         finally:
             cap.release()
 
@@ -268,8 +269,9 @@ def main() -> None:
                 result["actor_path"] = paths
                 best = max((p for p in paths if p["target"] == "shm"), key=lambda p: p["actor_raw_GB_s"])
                 best_disk = max((p for p in paths if p["target"] == "disk"), key=lambda p: p["actor_raw_GB_s"])
-                result.update(actor_raw_GB_s=best["actor_raw_GB_s"], threads=best["threads"], ratio_vs_raw=best["ratio_vs_raw"],
-                              actor_raw_GB_s_disk=best_disk["actor_raw_GB_s"], threads_disk=best_disk["threads"])  # fmt: skip
+                result.update(actor_raw_GB_s=best["actor_raw_GB_s"], threads=best["threads"], batches=best["batches"],
+                              ratio_vs_raw=best["ratio_vs_raw"], actor_raw_GB_s_disk=best_disk["actor_raw_GB_s"],
+                              threads_disk=best_disk["threads"], batches_disk=best_disk["batches"])  # fmt: skip
             for r in rids:
                 dump_path(shm, r).unlink(missing_ok=True)
         total = min(4 << 30, int(sum(lens) * 32 * 1024 * 0.7))

@@ -35,6 +35,11 @@ class CodecError(ValueError):
     pass
 
 
+def _zstd_bound(n: int) -> int:
+    """An upper bound of zstd's output for n input bytes (ZSTD_COMPRESSBOUND, rounded up generously)."""
+    return n + (n >> 7) + (1 << 16)
+
+
 def to_planes(bits: np.ndarray) -> np.ndarray:
     """uint16 bf16 bits [T, W] -> uint8 byte planes [2, W, T] (plane 0 low bytes)."""
     t, w = bits.shape
@@ -59,16 +64,26 @@ class Codec:
         """Byte planes (a buffer of 2*W*T bytes, low plane first) -> the stored value, one contiguous uint8 array."""
         flat = np.frombuffer(memoryview(planes).cast("B"), np.uint8)
         half = flat.size // 2
-        if self.encoding == "raw":
-            value = np.frombuffer(pa.allocate_buffer(flat.size), np.uint8)
-            value[:] = flat
-            return value
-        frame = pa.Codec("zstd", compression_level=self.level).compress(flat[half:], asbytes=False)
-        # From Arrow's pool: memory already touched and reused from sample to sample (no page faults).
-        value = np.frombuffer(pa.allocate_buffer(half + frame.size), np.uint8)
+        value = self.allocate(half)
         value[:half] = flat[:half]
-        value[half:] = np.frombuffer(frame, np.uint8)
-        return value
+        return self.finish(value, half, flat[half:])
+
+    def allocate(self, half: int) -> np.ndarray:
+        """Room for a stored value whose planes are `half` bytes each; the caller puts the low plane first.
+
+        From Arrow's pool: memory already touched and reused from sample to sample (no page faults)."""
+        size = 2 * half if self.encoding == "raw" else half + _zstd_bound(half)
+        return np.frombuffer(pa.allocate_buffer(size), np.uint8)
+
+    def finish(self, value: np.ndarray, half: int, hi) -> np.ndarray:
+        """`value[:half]` holds the low plane: add the high plane as this encoding stores it; the stored value."""
+        if self.encoding == "raw":
+            if hi is not None:
+                value[half : 2 * half] = hi
+            return value[: 2 * half]
+        frame = pa.Codec("zstd", compression_level=self.level).compress(hi, asbytes=False)
+        value[half : half + frame.size] = np.frombuffer(frame, np.uint8)
+        return value[: half + frame.size]
 
     def decode(self, value, tokens: int, width: int) -> np.ndarray:
         """A stored value -> byte planes [2, W, T] (uint8)."""

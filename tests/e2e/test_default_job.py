@@ -100,3 +100,24 @@ def test_default_bf16_run_matches_transformers_within_bf16_noise(harvest_run, mo
     for sid, layer, cos in _cosines_against_transformers(out, model_dir, lambda s: [s[len(s) // 2], s[-1]]):
         assert cos.mean().item() >= 0.9995, f"{sid} layer {layer}: mean per-token cosine {cos.mean():.5f}"
         assert cos.min().item() >= 0.99, f"{sid} layer {layer}: min per-token cosine {cos.min():.5f}"
+
+
+def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_session):
+    """id and token columns read with no project code; hidden states come as bytes a numpy reader decodes."""
+    import numpy as np
+    import pyarrow as pa
+    import ray.data
+
+    out, summary = harvest_run
+    ds = ray.data.read_parquet(str(out / "shards"), columns=["sample_id", "num_tokens", "input_ids"])
+    rows = ds.take_all()
+    assert len(rows) == summary["totals"]["samples_ok"]
+    assert sum(r["num_tokens"] for r in rows) == summary["totals"]["tokens"]
+    df = ray.data.read_parquet(str(out / "shards"), columns=["sample_id", "num_tokens", "last_hidden_state"]).to_pandas()
+    meta = read_manifest(Store(str(out)))
+    h, value, t = meta["hidden_size"], df["last_hidden_state"][0], int(df["num_tokens"][0])
+    lo = np.frombuffer(value, np.uint8, h * t)  # the README's decoder, in full
+    hi = np.frombuffer(pa.Codec("zstd").decompress(value[h * t :], h * t), np.uint8)
+    bits = (hi.astype(np.uint16) << 8 | lo).reshape(h, t).T
+    want = next(s for s in open_shards(str(out), as_torch=False) if s["sample_id"] == df["sample_id"][0])
+    np.testing.assert_array_equal(bits, want["last_hidden_state"])

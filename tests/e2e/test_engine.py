@@ -122,9 +122,13 @@ def test_prompts_longer_than_a_prefill_chunk_come_out_whole(engine, model_dir):
     with SGLangEngine({"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "chunked_prefill_size": 128}, 4, 300) as chunked:
         got = chunked.capture(list(requests.items()))
     want = engine.capture(list(requests.items()))  # chunk size 8192: every prompt in one pass
+    same = total = 0
     for key, ids in requests.items():
         assert got[key].error is None, got[key].error
         assert check_capture(got[key].capture, ids, 3 * 576, 576) is None  # count, hash, prefix 0, shapes, finite
         for g, w in zip(got[key].capture.bits(), want[key].capture.bits()):
             cos = _cosines(g, w)
             assert cos.min() > 0.999 and cos.mean() > 0.9999, (key, cos.min(), cos.mean())
+            same, total = same + int((g == w).sum()), total + g.size
+    # Not bit for bit: attention over a cached prefix adds in another order than over the whole prompt.
+    print(f"chunked vs unchunked: {same / total:.4%} of bf16 values bit-identical")

@@ -141,3 +141,17 @@ def test_a_chunk_out_of_order_gives_an_error_dump(publish, tmp_path):
     cap = read_dump(dump_path(tmp_path, "hh-y-1.t8"))
     reason = check_capture(cap, list(range(8)), aux_width=4, hidden_size=4)
     assert reason.startswith("capture failed in the server: prefill chunk out of order")
+
+
+@pytest.mark.parametrize("encoding", ["planes_zstd", "raw"])
+def test_encoding_straight_from_the_file_equals_encoding_the_planes(make_dump, encoding):
+    from pipeline.codec import Codec
+
+    rng = np.random.default_rng(5)
+    aux, last = bits(rng, 300, 48), bits(rng, 300, 16)
+    codec = Codec(encoding)
+    direct = read_dump(make_dump("hh-d", list(range(300)), aux, last)).encode(codec)
+    via_planes = (codec.encode(to_planes(aux)), codec.encode(to_planes(last)))
+    for got, want, b in zip(direct, via_planes, (aux, last)):
+        assert got.tobytes() == want.tobytes()
+        np.testing.assert_array_equal(codec.decode_bits(got.tobytes(), 300, b.shape[1]), b)
