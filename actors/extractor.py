@@ -7,8 +7,10 @@ as a committed shard. A failing sample becomes an error row; a dead engine raise
 The overlap is one small bounded pipeline: Ray Data runs up to `engine.batches_per_actor` calls of this
 stage at once on threads of the actor (job.py). Their requests share the engine's one in-flight window,
 so while one batch encodes and commits its shard the next keeps the server busy; within a call each
-sample goes to a shared pool of `output.encode_threads` encoders as soon as its capture is validated.
-Memory is bounded by batches_per_actor x batch_size samples.
+sample goes to a shared pool of `output.encode_threads` encoders as soon as its capture is validated, and
+encoded samples are written to the shard a row group at a time while the rest are still captured.
+Memory is bounded by batches_per_actor x batch_size samples (in practice: the requests in flight plus
+about one row group per batch).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class HiddenStateExtractor:
     def __del__(self):
         # Ray Data's only teardown hook for a callable-class stage: it drops the UDF on graceful actor
         # exit. The engine's lifecycle stays explicit (close()); this just calls it. Forced kills are
-        # covered by the server's parent-death signal.
+        # covered by the server's own watchdog (patches/), which ends a server whose starter is gone.
         self.close()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
