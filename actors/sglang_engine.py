@@ -80,7 +80,7 @@ class SGLangEngine:
     def ensure_alive(self) -> None:
         """Restart a dead server (once, whichever thread sees it first); raises EngineDied if it stays down."""
         with self._lock:
-            if not self.server.healthy():
+            if not self.server.alive():
                 self.restart()
 
     def close(self) -> None:
@@ -99,7 +99,7 @@ class SGLangEngine:
         self.close()
 
     def healthy(self) -> bool:
-        return self.server.healthy()
+        return self.server.alive()
 
     def _next_rid(self, tokens: int) -> str:
         # Unique per attempt: a retry never reads a dump left by an earlier attempt. The prompt length

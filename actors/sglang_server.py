@@ -178,10 +178,20 @@ class SGLangServer:
         raise EngineDied(f"SGLang server not ready after {self.spec.startup_timeout_s:.0f}s:\n{self.log_tail()}")
 
     def healthy(self, timeout: float = 5.0) -> bool:
+        """Ready to serve: SGLang's /health runs a one-token generation through the scheduler (start-up)."""
+        return self._get("/health", timeout)
+
+    def alive(self, timeout: float = 10.0) -> bool:
+        """The process runs and its HTTP server answers. Not /health: that queues a generation behind the
+        work in flight, which on a busy server takes longer than any sensible timeout, and a busy server
+        must never be taken for a dead one and restarted."""
+        return self._get("/model_info", timeout)
+
+    def _get(self, path: str, timeout: float) -> bool:
         if self._proc is None or self._proc.poll() is not None:
             return False
         try:
-            return requests.get(f"{self.url}/health", timeout=timeout).status_code == 200
+            return requests.get(f"{self.url}{path}", timeout=timeout).status_code == 200
         except requests.RequestException:
             return False
 
