@@ -1,7 +1,7 @@
 """Storage budget: estimate what a run will write before extraction starts, and refuse what cannot fit.
 
 estimate = tokens x (aux layers + 1) x hidden x 2 bytes x the encoding's measured ratio to raw bf16
-(bench/results/storage.md). With last_hidden_state="masked" the final layer counts only masked tokens.
+(bench/bench_storage.py, bench/results/data_path_h200.json). With last_hidden_state="masked" the final layer counts only masked tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipeline.storage import Store
 
 logger = logging.getLogger(__name__)
 
-# Measured compressed/raw ratio of each encoding on real hidden states, rounded up (bench/results/storage.md).
+# Measured compressed/raw ratio of each encoding on real hidden states, rounded up (bench/bench_storage.py, bench/results/data_path_h200.json).
 ENCODING_RATIO = {"planes_zstd": 0.71, "raw": 1.0}
 
 

@@ -62,7 +62,7 @@ class Codec:
 
     def encode(self, planes) -> np.ndarray:
         """Byte planes (a buffer of 2*W*T bytes, low plane first) -> the stored value, one contiguous uint8 array."""
-        flat = np.frombuffer(memoryview(planes).cast("B"), np.uint8)
+        flat = np.ascontiguousarray(np.asarray(planes, dtype=np.uint8)).reshape(-1)
         half = flat.size // 2
         value = self.allocate(half)
         value[:half] = flat[:half]

@@ -74,3 +74,11 @@ def test_damaged_values_raise(encoding):
 def test_unknown_encoding_is_refused():
     with pytest.raises(ValueError, match="unknown hidden-state encoding"):
         Codec("bss_zstd")
+
+
+@pytest.mark.parametrize("encoding", ["planes_zstd", "raw"])
+def test_no_tokens_encodes_and_decodes(encoding):
+    """A masked final state with no trained token stores [0, H]."""
+    codec = Codec(encoding)
+    value = codec.encode(to_planes(np.zeros((0, 8), np.uint16))).tobytes()
+    assert codec.decode_bits(value, 0, 8).shape == (0, 8)
