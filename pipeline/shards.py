@@ -149,12 +149,14 @@ class ShardWriter:
         self.ids: list[str] = []
         self.encoded_bytes: list[int] = []
         self._pending: list[EncodedSample] = []
+        self._pending_bytes = 0
         self._tmp: str | None = None
         self._file = self._writer = None
 
     def add(self, sample: EncodedSample) -> None:
         self._pending.append(sample)
-        if sum(s.nbytes for s in self._pending) >= self.row_group_bytes:
+        self._pending_bytes += sample.nbytes
+        if self._pending_bytes >= self.row_group_bytes:
             self._flush()
 
     def _flush(self) -> None:
@@ -179,7 +181,7 @@ class ShardWriter:
         self._writer.write_table(table, row_group_size=table.num_rows)
         self.ids += [s.sample_id for s in self._pending]
         self.encoded_bytes += [s.nbytes for s in self._pending]
-        self._pending = []
+        self._pending, self._pending_bytes = [], 0
 
     def commit(self) -> tuple[str, int]:
         """Write what is left, close and publish; returns (relative name, exact bytes committed), ("", 0) if empty."""

@@ -16,7 +16,6 @@ import uuid
 from typing import IO, Iterator
 
 import fsspec
-import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
@@ -37,26 +36,17 @@ class Store:
         return posixpath.join(self.url, rel) if rel else self.url
 
     @contextlib.contextmanager
-    def open_atomic(self, rel: str, native: bool = False) -> Iterator[IO[bytes]]:
-        """Write `rel`; readers see the whole file or nothing (no partial shard is ever visible).
-
-        native=True gives a local file as a pyarrow OSFile: Arrow's writers then write from C++ without
-        the GIL or a copy into Python bytes (twice the speed of a Python file object for large shards).
-        """
+    def open_atomic(self, rel: str) -> Iterator[IO[bytes]]:
+        """Write `rel`; readers see the whole file or nothing (no partial file is ever visible)."""
         final = self.path(rel)
         parent = posixpath.dirname(final)
         if self.local:
             os.makedirs(parent, exist_ok=True)
             tmp = posixpath.join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex}-{posixpath.basename(final)}")
             try:
-                with (pa.OSFile(tmp, "wb") if native else open(tmp, "wb")) as f:
+                with open(tmp, "wb") as f:
                     yield f
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)  # durable before it becomes visible under its final name
-                finally:
-                    os.close(fd)
-                os.replace(tmp, final)
+                _durable_rename(tmp, final)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
@@ -78,12 +68,7 @@ class Store:
         """Make a staged file visible under `rel` whole: fsync + rename locally, one upload to object storage."""
         try:
             if self.local:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, self.path(rel))
+                _durable_rename(tmp, self.path(rel))
             else:
                 self.fs.put_file(tmp, self.path(rel))
         finally:
@@ -130,3 +115,13 @@ class Store:
         if stale:
             logger.info("removed %d temporary files left by an earlier run in %s", len(stale), self.display(rel_dir))
         return len(stale)
+
+
+def _durable_rename(tmp: str, final: str) -> None:
+    """fsync, then rename: the file is durable before it becomes visible under its final name."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
