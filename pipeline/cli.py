@@ -72,6 +72,23 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_audit(args) -> int:
+    from pipeline.audit import Thresholds, audit
+
+    samples = None if args.samples == "all" else int(args.samples)
+    report = audit(args.output, samples=samples, device=args.device, seed=args.seed, model=args.model,
+                   thresholds=Thresholds(args.min_mean_cosine, args.min_cosine))  # fmt: skip
+    print(report.text())
+    print(f"report: {report.output.rstrip('/')}/audit.json")
+    return 0 if report.ok else 1
+
+
+def _samples(value: str) -> str:
+    if value != "all" and not (value.isdigit() and int(value) > 0):
+        raise argparse.ArgumentTypeError("a positive number of samples, or `all`")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harvest", description="Hidden-state training data for EAGLE-3 draft models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,15 +102,25 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="integrity scan of an output; exit code 0 only when every check holds")
     p.add_argument("output")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("audit", help="recompute random committed samples in float32 with transformers and compare")
+    p.add_argument("output")
+    p.add_argument("--samples", type=_samples, default="16", help="how many random samples, or `all` (default 16)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
+    p.add_argument("--model", help="the model directory, when it is not where the manifest says")
+    p.add_argument("--min-mean-cosine", type=float, default=0.9995, help="per sample and layer (default 0.9995)")
+    p.add_argument("--min-cosine", type=float, default=0.99, help="per token, per sample and layer (default 0.99)")
+    p.set_defaults(fn=cmd_audit)
     args = parser.parse_args(argv)
     _setup_logging()
     from conf import ConfigError
     from pipeline.budget import InsufficientSpace
+    from pipeline.audit import AuditError
     from pipeline.manifest import SettingsMismatch
 
     try:
         return args.fn(args)
-    except (ConfigError, InsufficientSpace, SettingsMismatch, FileNotFoundError) as e:
+    except (ConfigError, InsufficientSpace, SettingsMismatch, AuditError, FileNotFoundError) as e:
         # Refusals with an actionable message: no traceback.
         print(f"harvest: {e}", file=sys.stderr)
         return 2
