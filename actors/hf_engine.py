@@ -188,7 +188,7 @@ class HFEngine:
         pool = sorted(reqs, key=lambda r: -len(r.ids))
         while pool:
             batch = self._take(pool)
-            self._forward(batch)
+            self._forward(batch, record=True)
             last = self._taken.pop(("last", 0))
             aux = [self._taken.pop(("aux", k)) for k in range(len(self.aux_layers))]
             for row, r in enumerate(batch):
@@ -214,7 +214,7 @@ class HFEngine:
         batch, pool[:] = pool[:n], pool[n:]
         return batch
 
-    def _forward(self, batch: list[_Request]):
+    def _forward(self, batch: list[_Request], record: bool):
         import torch
 
         longest = len(batch[0].ids)
@@ -224,7 +224,7 @@ class HFEngine:
         self.batches += 1
         self.padded_tokens += ids.size
         self.real_tokens += sum(len(r.ids) for r in batch)
-        self._recording = True
+        self._recording = record
         try:
             with torch.inference_mode():
                 self.base(input_ids=torch.from_numpy(ids).to(self.device, non_blocking=True), use_cache=False)
@@ -254,15 +254,11 @@ class HFEngine:
         import torch
 
         try:
-            ids = self._forward(batch)
-            if not self.capture_states:
-                self._taken.clear()
-                if self.cuda:
-                    torch.cuda.current_stream().synchronize()
-                for r in batch:
-                    r.future.set_result(RequestResult(r.key, None, None, time.monotonic() - r.submitted))
-                return
-            staged = self._stage(batch, ids)
+            ids = self._forward(batch, record=self.capture_states)
+            if not self.capture_states:  # the bare baseline: the same batches and overlap, nothing kept
+                staged = self._bare(batch)
+            else:
+                staged = self._stage(batch, ids)
         except torch.cuda.OutOfMemoryError as e:
             self._taken.clear()
             if len(batch) == 1:
@@ -280,8 +276,24 @@ class HFEngine:
             return
         if self.cuda:
             self._done.put(staged)  # blocks while the previous batch's copy is still pending: two in flight
-        else:
+        elif self.capture_states:
             self._resolve(*staged)
+        else:
+            self._resolve_bare(batch)
+
+    def _bare(self, batch: list[_Request]):
+        if not self.cuda:
+            return None
+        import torch
+
+        done = torch.cuda.Event()
+        done.record()
+        return batch, done
+
+    def _resolve_bare(self, batch: list[_Request]) -> None:
+        now = time.monotonic()
+        for r in batch:
+            r.future.set_result(RequestResult(r.key, None, None, now - r.submitted))
 
     def _stage(self, batch: list[_Request], ids: np.ndarray):
         """Byte planes [2, W, T] per request (aux, then last) in one buffer, plus the non-finite counts."""
@@ -327,9 +339,13 @@ class HFEngine:
             item = self._done.get()
             if item is None:
                 return
-            batch, ids, host, offsets, counts, widths, done, _keep = item
+            batch, done = item[0], item[-2 if self.capture_states else -1]
             try:
                 done.synchronize()
+                if not self.capture_states:
+                    self._resolve_bare(batch)
+                    continue
+                _, ids, host, offsets, counts, widths, _, _keep = item
                 self._resolve(batch, ids, host.numpy(), offsets, counts.numpy(), widths)
             except Exception as e:  # noqa: BLE001
                 for r in batch:
