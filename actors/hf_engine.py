@@ -227,7 +227,13 @@ class HFEngine:
         self._recording = record
         try:
             with torch.inference_mode():
-                self.base(input_ids=torch.from_numpy(ids).to(self.device, non_blocking=True), use_cache=False)
+                host_ids = torch.from_numpy(ids)
+                if self.cuda:
+                    # From pinned memory the copy is queued behind the previous batch's work; from pageable
+                    # memory CUDA would first wait for the device to go idle, and the next forward could
+                    # only be launched once the GPU had run dry.
+                    host_ids = host_ids.pin_memory()
+                self.base(input_ids=host_ids.to(self.device, non_blocking=True), use_cache=False)
         finally:
             self._recording = False
         return ids
@@ -308,12 +314,11 @@ class HFEngine:
         sizes = [2 * n * (w + h) for n in lengths]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
-        # Non-finite values per row of the padded batch, summed per request below (padding excluded).
-        bad = (~torch.isfinite(last)).sum(-1)
+        # Non-finite values per position of the padded batch [B, T]; summed per request on the host over
+        # its real positions only (a device-side mask would need the lengths copied up: a sync point).
+        bad = (~torch.isfinite(last)).sum(-1, dtype=torch.int32)
         for a in aux:
-            bad += (~torch.isfinite(a)).sum(-1)
-        valid = torch.arange(ids.shape[1], device=last.device)[None, :] < torch.tensor(lengths, device=last.device)[:, None]
-        nonfinite = (bad * valid).sum(-1)
+            bad += (~torch.isfinite(a)).sum(-1, dtype=torch.int32)
         for row, n in enumerate(lengths):
             o = int(offsets[row])
             cols = torch.cat([a[row, :n] for a in aux], dim=-1) if aux else last[row, :n, :0]
@@ -322,17 +327,17 @@ class HFEngine:
                 view.copy_(part.contiguous().view(torch.uint8).view(n, width, 2).permute(2, 1, 0))
                 o += 2 * n * width
         if not self.cuda:
-            return batch, ids, staging.numpy(), offsets, nonfinite.numpy(), (w, h)
+            return batch, ids, staging.numpy(), offsets, bad.numpy(), (w, h)
         host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
-        counts = torch.empty(len(batch), dtype=nonfinite.dtype, pin_memory=True)
+        counts = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
         self._copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._copy_stream):
             host.copy_(staging, non_blocking=True)
-            counts.copy_(nonfinite, non_blocking=True)
+            counts.copy_(bad, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         # The staging tensors stay referenced (in this tuple) until the finisher has seen the copy end.
-        return batch, ids, host, offsets, counts, (w, h), done, (staging, nonfinite)
+        return batch, ids, host, offsets, counts, (w, h), done, (staging, bad)
 
     def _finish_loop(self) -> None:
         while True:
@@ -362,7 +367,7 @@ class HFEngine:
                 "num_tokens": n,
                 "prefix_len": 0,
                 "ids_sha256": _ids_sha256(ids[row, :n]),
-                "nonfinite": int(nonfinite[row]),
+                "nonfinite": int(nonfinite[row, :n].sum()),
                 "aux_shape": [n, w],
                 "last_shape": [n, h],
                 "source_dtype": self.dtype,

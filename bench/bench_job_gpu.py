@@ -104,12 +104,43 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
             "tok_s": round(rates[best], 1), "tokens": tokens, "aux_layers": list(aux)}  # fmt: skip
 
 
-def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int, device: str, batch_size: int) -> dict:
+def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, device: str, aux: list[int]) -> dict:
+    """The capturing engine alone, then with the actor's encoding (16 threads, no disk): where time goes."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from actors.hf_engine import HFEngine
+    from pipeline.codec import Codec
+
+    tokens = sum(len(p) for p in prompts)
+    out = {}
+    codec = Codec()
+    with HFEngine(str(model_dir), tuple(aux), device=device, max_batch_tokens=batch_tokens) as eng, ThreadPoolExecutor(16) as pool:
+        for r in as_completed([eng.submit(f"w{i}", p) for i, p in enumerate(prompts[:64])]):
+            r.result().capture.release()
+        for mode in ("capture", "capture+encode"):
+            t0 = time.monotonic()
+            jobs = []
+            for f in as_completed([eng.submit(f"p{i}", p) for i, p in enumerate(prompts)]):
+                cap = f.result().capture
+                if mode == "capture":
+                    cap.release()
+                else:
+                    jobs.append(pool.submit(lambda c: (c.encode(codec), c.release()), cap))
+            for j in jobs:
+                j.result()
+            out[mode] = round(tokens / (time.monotonic() - t0), 1)
+            log(f"engine {mode}: {out[mode]:,.0f} tok/s")
+    return out
+
+
+def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int, device: str, batch_size: int,
+        batches_per_actor: int) -> dict:  # fmt: skip
     out = work / f"out-{actors}"
     shutil.rmtree(out, ignore_errors=True)
     sets = [f"input.path={prompts}", f"model.path={model_dir}", f"output.path={out}", "engine.name=hf",
             f"engine.device={device}", f"engine.num_actors={actors}", f"engine.max_batch_tokens={batch_tokens}",
-            f"extract.batch_size={batch_size}", "extract.max_tokens=4096", "progress.interval_s=5"]  # fmt: skip
+            f"engine.batches_per_actor={batches_per_actor}", f"extract.batch_size={batch_size}", "extract.max_tokens=4096",
+            "progress.interval_s=5"]  # fmt: skip
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [a for s in sets for a in ("--set", s)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -157,6 +188,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", default="8192,16384,32768")
     ap.add_argument("--batch-size", type=int, default=64, help="samples per job batch (one shard)")
+    ap.add_argument("--batches-per-actor", type=int, default=3)
+    ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
     ap.add_argument("--actors", default="1")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "job_gpu.json")
@@ -190,8 +223,12 @@ def main() -> None:
 
     result["bare"] = base = bare(model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device)
     save()
+    if args.engine_only:
+        result["engine_only"] = engine_only(model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"])
+        save()
     for a in args.actors.split(","):
-        r = job(args.work, model_dir, prompts_path, int(a), base["best_max_batch_tokens"], args.device, args.batch_size)
+        r = job(args.work, model_dir, prompts_path, int(a), base["best_max_batch_tokens"], args.device, args.batch_size,
+                args.batches_per_actor)  # fmt: skip
         if not r.get("failed"):
             r["ratio_vs_bare"] = round(r["tok_s"] / base["tok_s"], 3)
             r["ratio_vs_bare_end_to_end"] = round(r["tok_s_end_to_end"] / base["tok_s"], 3)
