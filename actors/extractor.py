@@ -15,6 +15,7 @@ about one row group per batch).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ class HiddenStateExtractor:
         self.retries = retries
         self.store = Store(output_url)
         self.metrics = ExtractorMetrics()
+        self._order = itertools.count()
         self.pool = ThreadPoolExecutor(encode_threads or min(16, os.cpu_count() or 1), thread_name_prefix="encode")
         self.engine = engine_class(**engine_kwargs).start()
 
@@ -129,7 +131,8 @@ class HiddenStateExtractor:
             if not pending:
                 break
             self.engine.ensure_alive()
-            futures = [self.engine.submit(sid, todo[sid]["input_ids"]) for sid in pending]
+            order = next(self._order)  # this batch's requests form one group for the engine
+            futures = [self.engine.submit(sid, todo[sid]["input_ids"], order=order) for sid in pending]
             pending = []
             for fut in as_completed(futures):  # each sample is encoded while the others are still being captured
                 res = fut.result()

@@ -46,6 +46,7 @@ class _Request:
     ids: list[int]
     future: Future
     submitted: float
+    order: float = 0.0  # requests of one caller batch share it; lower goes first
 
 
 def _ids_sha256(ids: np.ndarray) -> str:
@@ -153,8 +154,10 @@ class HFEngine:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def submit(self, key: str, ids: list[int]) -> Future:
-        """Queue one request; the Future gives its RequestResult. Thread-safe."""
+    def submit(self, key: str, ids: list[int], order: float = 0.0) -> Future:
+        """Queue one request; the Future gives its RequestResult. Thread-safe.
+
+        `order`: requests sharing it form one caller batch; the lowest order is served first (see _take)."""
         fut: Future = Future()
         if self._worker is None:
             raise EngineDied("engine is not started")
@@ -165,7 +168,7 @@ class HFEngine:
             fut.set_result(RequestResult(key, None, why, 0.0))
             return fut
         with self._cv:
-            self._pending.append(_Request(key, list(ids), fut, time.monotonic()))
+            self._pending.append(_Request(key, list(ids), fut, time.monotonic(), order))
             self._cv.notify()
         return fut
 
@@ -185,7 +188,7 @@ class HFEngine:
             raise RuntimeError("states() needs an engine started with capture=False")
         reqs = [_Request(str(i), list(ids), Future(), 0.0) for i, ids in enumerate(requests)]
         out: list = [None] * len(reqs)
-        pool = sorted(reqs, key=lambda r: -len(r.ids))
+        pool = list(reqs)
         while pool:
             batch = self._take(pool)
             self._forward(batch, record=True)
@@ -207,11 +210,22 @@ class HFEngine:
         return hook
 
     def _take(self, pool: list[_Request]) -> list[_Request]:
-        """The longest waiting request and the next ones by length, up to max_batch_tokens padded tokens."""
-        pool.sort(key=lambda r: -len(r.ids))
-        longest = len(pool[0].ids)
-        n = max(1, min(len(pool), self.max_batch_tokens // max(longest, 1)))
-        batch, pool[:] = pool[:n], pool[n:]
+        """Next forward: the longest request of the oldest caller batch sets the padded length T; the rest
+        are the longest waiting requests of at most T tokens (any batch), up to max_batch_tokens padded.
+
+        The oldest batch goes first so that caller batches complete in order: while one is encoded and
+        committed, the requests of the others keep the device busy. Plain longest-first would leave every
+        caller batch's shortest requests to the end, so all of them would finish together and the device
+        would idle through their commits (a 30 % loss, measured). Filling with requests <= T from any
+        batch keeps padding small."""
+        oldest = min(r.order for r in pool)
+        head = max((r for r in pool if r.order == oldest), key=lambda r: len(r.ids))
+        longest = len(head.ids)
+        room = max(1, self.max_batch_tokens // max(longest, 1)) - 1
+        rest = sorted((r for r in pool if r is not head and len(r.ids) <= longest), key=lambda r: (-len(r.ids), r.order))
+        batch = [head] + rest[:room]
+        taken = {id(r) for r in batch}
+        pool[:] = [r for r in pool if id(r) not in taken]
         return batch
 
     def _forward(self, batch: list[_Request], record: bool):

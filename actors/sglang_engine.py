@@ -108,8 +108,9 @@ class SGLangEngine:
             self._counter += 1
             return f"{RID_PREFIX}{self._tag}-{self._counter}.t{tokens}"
 
-    def submit(self, key: str, ids: list[int]) -> Future:
-        """Queue one request; the Future gives its RequestResult. Thread-safe."""
+    def submit(self, key: str, ids: list[int], order: float = 0.0) -> Future:
+        """Queue one request; the Future gives its RequestResult. Thread-safe. (`order` is the hf engine's
+        batching hint; the server schedules its own requests.)"""
         if self._loop is None:
             raise EngineDied("engine is not started")
         return asyncio.run_coroutine_threadsafe(self._capture_one(key, ids, self._next_rid(len(ids))), self._loop)

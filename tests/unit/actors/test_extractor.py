@@ -86,7 +86,7 @@ class StandInEngine:
     def ensure_alive(self):
         pass
 
-    def submit(self, key, ids):
+    def submit(self, key, ids, order=0.0):
         with self.lock:
             self.submitted.append(key)
         return self.pool.submit(self._answer, key, list(ids))
