@@ -77,6 +77,13 @@ class ExtractConfig(_Strict):
     retries: int = Field(2, ge=0)
     # Samples per actor batch; one batch becomes one shard.
     batch_size: int = Field(32, ge=1)
+    # Where a conversation's samples and masks come from (pipeline/turns.py): full = rendered once, every
+    # assistant turn masked as the template renders it there; each = one sample per assistant turn, rendered
+    # as the model saw it when it generated that turn (ids <id>#<k>); auto = full where the template is
+    # prefix-stable for the conversation (same signal, fewer tokens), each where it is not.
+    turns: Literal["full", "each", "auto"] = "auto"
+    # Extra variables for the chat template, e.g. {enable_thinking: true}.
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("aux_layers")
     @classmethod

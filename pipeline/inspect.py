@@ -25,7 +25,7 @@ def summarize(output: str) -> str:
     if t:
         lines.append(
             f"samples: {t['samples_ok']:,} ok, {t['errors']:,} errors, {t['filtered']:,} filtered "
-            f"(of {t.get('input_rows', '?')} input rows); tokens: {t['tokens']:,}; bytes: {human_bytes(t['bytes'])} in {t['shards']} shards"
+            f"(of {t.get('samples', '?')} samples from {t.get('input_rows', '?')} input rows); tokens: {t['tokens']:,}; bytes: {human_bytes(t['bytes'])} in {t['shards']} shards"
         )
         raw = t["tokens"] * (len(manifest["aux_layers"]) + 1) * manifest["hidden_size"] * 2
         if raw:
