@@ -106,7 +106,8 @@ class ChatEncoder:
 
     # -- locating one turn in a rendered text ---------------------------------------------------------------
     def turn_start(self, msgs: Sequence[dict], tools, text: str, i: int) -> int:
-        """Character offset in `text` (a render of msgs) where assistant message i's generated text begins."""
+        """Character offset in `text` (a render of msgs) where assistant message i's generated text begins:
+        where the text leaves the prompt the model answered (msgs[:i] with the generation prompt)."""
         if i > 0:
             a = _lcp(text, self._render(msgs[:i], tools, gen=True))
         else:
@@ -121,13 +122,27 @@ class ChatEncoder:
                 if not found:
                     raise BadRow("cannot locate the first assistant message in the rendered template")
                 a = min(found)
+        self._check_start(msgs, text, i, a)
+        return a
+
+    @staticmethod
+    def _check_start(msgs, text: str, i: int, a: int) -> None:
         prev = max((j for j in range(i) if msgs[j]["role"] == "assistant"), default=-1)
         for j in range(prev + 1, i):  # the messages just before the turn must be rendered before its start
             for t in _texts(msgs[j]):
                 pos = text.find(t)
                 if pos >= 0 and pos + len(t) > a:
                     raise BadRow(f"assistant message {i} would start inside the rendered text of message {j}")
-        return a
+
+    def _cut(self, msgs, tools, text: str, i: int) -> tuple[int, int, int]:
+        """(lo, hi, n): text == rest[:p] + text[p:p+n] + rest[p:] for every p in [lo, hi], where rest is the
+        conversation rendered without message i; i.e. what disappears when the turn is left out."""
+        rest = self._render(list(msgs[:i]) + list(msgs[i + 1 :]), tools)
+        n = len(text) - len(rest)
+        lo, hi = len(rest) - min(_lcs(text, rest), len(rest)), min(_lcp(text, rest), len(rest))
+        if n <= 0 or lo > hi:
+            raise BadRow(f"assistant message {i}: leaving it out changes how the template renders the others")
+        return lo, hi, n
 
     def turn_end(self, msgs: Sequence[dict], tools, text: str, i: int, a: int) -> int:
         """Character offset in `text` where assistant message i's rendered text ends (before any trailing text)."""
@@ -136,14 +151,10 @@ class ChatEncoder:
         through = self._render(msgs[: i + 1], tools)
         if text.startswith(through) and len(through) > a:
             return len(through)
-        # The template renders the turn differently when others follow (reasoning dropped from history, another
-        # end token, ...). Its text is what disappears when the turn is left out: text = rest[:p] + turn + rest[p:].
-        rest = self._render(list(msgs[:i]) + list(msgs[i + 1 :]), tools)
-        n = len(text) - len(rest)
-        lo, hi = len(rest) - min(_lcs(text, rest), len(rest)), min(_lcp(text, rest), len(rest))
-        if n <= 0 or lo > hi:
-            raise BadRow(f"assistant message {i}: leaving it out changes how the template renders the others")
-        # Ambiguity only where the turn's edges repeat its neighbours' (e.g. two turns both ending in
+        # The template renders the turn differently when others follow (reasoning dropped from history,
+        # another end token, ...): its text is what disappears when it is left out.
+        lo, hi, n = self._cut(msgs, tools, text, i)
+        # Ambiguous only where the turn's edges repeat its neighbours' (two turns both ending in
         # "<|im_end|>\n"): the turn is the cut that starts with the assistant header, else the latest one.
         header = self.header()
         best = max(range(lo, min(hi, a) + 1), key=lambda p: (_lcp(text[p:a], header), p), default=None)
@@ -152,8 +163,18 @@ class ChatEncoder:
         return best + n
 
     def locate(self, msgs, tools, text: str, i: int) -> tuple[int, int]:
-        a = self.turn_start(msgs, tools, text, i)
-        b = self.turn_end(msgs, tools, text, i, a)
+        try:
+            a = self.turn_start(msgs, tools, text, i)
+            b = self.turn_end(msgs, tools, text, i, a)
+        except BadRow:
+            # The prompt for this turn renders the history otherwise than the whole conversation does (Qwen3
+            # keeps a tool call's reasoning only while no user message follows): cut the turn out instead,
+            # and start it after the assistant header.
+            lo, hi, n = self._cut(msgs, tools, text, i)
+            header = self.header()
+            p = max(range(lo, hi + 1), key=lambda q: (_lcp(text[q : q + n], header), q))
+            a, b = p + _lcp(text[p : p + n], header), p + n
+            self._check_start(msgs, text, i, a)
         nxt = next((m for m in msgs[i + 1 :] if m["role"] != "assistant"), None)
         for t in _texts(nxt) if nxt else ():  # the message after the turn must not be under its mask
             if text.find(t, a) >= 0 and text.find(t, b) < 0:
@@ -210,8 +231,12 @@ class ChatEncoder:
         """The sample of assistant message i under `each`, and the token where its turn starts."""
         head = list(msgs[: i + 1])
         text = self._render(head, tools)
+        spliced = self._as_seen(head, tools, text, i)
+        if spliced is None:
+            a = self.turn_start(head, tools, text, i)
+        else:
+            text, a = spliced
         ids, offsets = self._tokens(text)
-        a = self.turn_start(head, tools, text, i)
         start = next((t for t, (s, e) in enumerate(offsets) if e > a), len(ids))
         mask = [0] * len(ids)
         if self.r.has_generation_tags:
@@ -221,6 +246,26 @@ class ChatEncoder:
         if not any(mask):
             self._mark(ids, offsets, mask, a, len(text))
         return Encoded(ids, mask, self._unrendered(head, tools, text, {i: (a, len(text))})), start
+
+    def _as_seen(self, head, tools, text: str, i: int) -> tuple[str, int] | None:
+        """(prompt + turn, turn start) where the template renders the history before the final turn otherwise
+        than the prompt the model answered (gpt-oss keeps the reasoning of tool calls only until a final answer
+        follows): the model saw the generation prompt and produced the turn, so that is the sample.
+        None where the render already starts with the prompt, or where the turn cannot be cut out safely."""
+        if i == 0:
+            return None
+        pre = self._render(head[:i], tools, gen=True)
+        header = self.header()
+        if text.startswith(pre) or not header or not pre.endswith(header):
+            return None
+        try:  # the turn's own text starts where an empty final turn renders differently from it
+            empty = self._render(head[:i] + [{"role": "assistant", "content": ""}], tools)
+        except BadRow:
+            return None
+        cut = text.rfind(header, 0, _lcp(text, empty) + 1)
+        if cut < 0 or _lcp(text, pre) > cut:  # the history agrees up to the header: no splice needed
+            return None
+        return pre + text[cut + len(header) :], len(pre)
 
     def encode(self, msgs: Sequence[dict], tools, policy: str) -> ChatResult:
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -257,7 +302,9 @@ class ChatEncoder:
             return "full" if stable else "each"
         if all(not isinstance(e, BadRow) for e in each):
             return "each"
-        return "full" if not isinstance(full, BadRow) else "each"
+        if not isinstance(full, BadRow) or all(isinstance(e, BadRow) for e in each):
+            return "full"  # whole where only that works; one error row where nothing does
+        return "each"
 
     def _cost_full(self, msgs, tools, full) -> int:
         if isinstance(full, Encoded):
