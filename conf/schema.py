@@ -85,6 +85,16 @@ class ExtractConfig(_Strict):
     # Extra variables for the chat template, e.g. {enable_thinking: true}.
     template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        # These are the job's to set per render; as template variables they would clash or change the samples.
+        taken = sorted(set(v) & {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                 "continue_final_message", "tokenize", "return_dict", "chat_template"})  # fmt: skip
+        if taken:
+            raise ValueError(f"template_kwargs may not set {taken}: the job passes those itself (tools come from each row)")
+        return v
+
     @field_validator("aux_layers")
     @classmethod
     def _layers_distinct(cls, v):

@@ -147,3 +147,5 @@ def test_extract_turns_and_template_kwargs(default_yaml):
         load_config(default_yaml, ["extract.turns=last"])
     with pytest.raises(ConfigError, match="extract.template_kwargs"):
         load_config(default_yaml, ["extract.template_kwargs=[1]"])
+    with pytest.raises(ConfigError, match="may not set \\['add_generation_prompt'\\]"):
+        load_config(default_yaml, ["extract.template_kwargs={add_generation_prompt: true}"])
