@@ -86,6 +86,10 @@ class TurnLocator:
                 if not found:
                     raise BadRow("cannot locate the first assistant message in the rendered template")
                 a = min(found)
+                # What the template writes between the assistant header and the text is generated too.
+                header = self.header()
+                k = text.rfind(header, 0, a) if header else -1
+                a = k + len(header) if k >= 0 else a
         self._check_start(msgs, text, i, a)
         return a
 

@@ -42,7 +42,20 @@ PLAIN = [
     {"role": "assistant", "content": "Green 🌿"},
     {"role": "user", "content": "a trailing user turn is context only"},
 ]
-CONVERSATIONS = {"reasoning": (REASONING, None), "agent": (AGENT, TOOLS), "plain": (PLAIN, None)}
+CONSECUTIVE = [
+    {"role": "user", "content": "Quick one: the capital of France?"},
+    {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy one."},
+    {"role": "assistant", "content": "It has been the capital for centuries."},
+    {"role": "user", "content": "Thanks a lot"},
+    {"role": "assistant", "content": "Any time."},
+]
+ASSISTANT_FIRST = [
+    {"role": "assistant", "content": "Hi, how can I help?"},
+    {"role": "user", "content": "Tell me a joke."},
+    {"role": "assistant", "content": "Why did the chicken cross the road?"},
+]
+CONVERSATIONS = {"reasoning": (REASONING, None), "agent": (AGENT, TOOLS), "plain": (PLAIN, None),
+                 "consecutive": (CONSECUTIVE, None), "assistant_first": (ASSISTANT_FIRST, None)}  # fmt: skip
 END = {"llama31": "<|im_end|>", "deepseek_v3": "<|im_end|>", "qwen3": "<|im_end|>", "kimi_k2": "<|im_end|>",
        "harmony": ("<|endoftext|>", "<|im_end|>", "<empty_output>"), "tools_chatml": "<|im_end|>"}  # fmt: skip
 
@@ -100,6 +113,11 @@ EXPECTED = {
         '<jupyter_start><jupyter_code>function<file_sep>get_weather\n```json\n{"city": "Paris"}\n```<jupyter_text><jupyter_script><|im_end|>',
         "It is 18 C and sunny in Paris.<|im_end|>", "You're welcome.<|im_end|>"]]),
     ("llama31", "plain"): ("full", [["Blue.<|im_end|>", "Green 🌿<|im_end|>"]]),
+    ("harmony", "assistant_first"): ("each", [["<filename>final<file_sep>Hi, how can I help?<|endoftext|>"],
+                                              ["<filename>final<file_sep>Why did the chicken cross the road?<|endoftext|>"]]),
+    ("kimi_k2", "consecutive"): ("each", [["<think>Easy one.</think>Paris.<|im_end|>"],
+                                          ["<think></think>It has been the capital for centuries.<|im_end|>"],
+                                          ["<think></think>Any time.<|im_end|>"]]),
     # Qwen3 gives the final turn an empty think block: each turn was generated with one, which `full` hides.
     ("qwen3", "plain"): ("each", [["<think>\n\n</think>\n\n  Blue.  <|im_end|>"], ["<think>\n\n</think>\n\nGreen 🌿<|im_end|>"]]),
 }  # fmt: skip
@@ -150,13 +168,15 @@ def test_each_sample_is_the_prompt_the_model_saw_plus_its_turn(tokenizers, name,
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     result = ct.encode_chat(sample(conv), "each")
     for k, s in enumerate(result.samples):
+        assert s.turn == k
+        if turns[k] == 0:  # nothing was said before it: no prompt to compare with
+            continue
         head = sample(conv).messages[: turns[k]]
-        prompt = ct.chat.r.render(head, tools, generation_prompt=True) if turns[k] else ""
+        prompt = ct.chat.r.render(head, tools, generation_prompt=True)
         text = ct.tok.decode(s.encoded.ids)
         first = s.encoded.mask.index(1)
         assert text.startswith(prompt) or name == "deepseek_v3"  # V3 drops the header of a tool-call-only turn
         assert ct.tok.decode(s.encoded.ids[:first]) == prompt[: len(ct.tok.decode(s.encoded.ids[:first]))]
-        assert s.turn == k
 
 
 def test_full_masks_history_as_rendered_there(tokenizers):
