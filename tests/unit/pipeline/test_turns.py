@@ -262,3 +262,29 @@ def test_each_ids_are_stable_across_runs(model_dir):
     assert [r["sample_id"] for r in a] == [r["sample_id"] for r in b]
     assert [r["sample_id"].rsplit("#", 1)[1] for r in a] == ["0", "1"]
     assert [r["input_ids"] for r in a] == [r["input_ids"] for r in b]
+
+
+def test_stage_maps_one_line_to_several_rows(model_dir):
+    import pyarrow as pa
+
+    from pipeline.tokenize import TOKENIZED_SCHEMA
+
+    t = Tokenize(str(model_dir), 2048, "reject", turns="auto", chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    lines = [json.dumps({"id": "r", "messages": REASONING}), json.dumps({"id": "t", "text": "plain text"})]
+    out = t(pa.table({"source": ["f:1", "f:2"], "line": lines}))
+    assert out.schema == TOKENIZED_SCHEMA
+    assert out["sample_id"].to_pylist() == ["r#0", "r#1", "t"]
+    assert out["source"].to_pylist() == ["f:1", "f:1", "f:2"]
+    assert out["turns"].to_pylist() == ["each", "each", ""]
+    assert out["status"].to_pylist() == ["ok"] * 3
+
+
+def test_default_template_reports_what_it_leaves_out(model_dir):
+    [row] = Tokenize(str(model_dir), 2048, "reject").tokenize_line("f:1", json.dumps({"messages": AGENT, "tools": TOOLS}))
+    # SmolLM2's template cannot render a null content: the template's own error, nothing dropped.
+    assert row["status"] == "error" and "NoneType" in row["reason"]
+    agent = [dict(m, content=m["content"] or "Let me check.") for m in AGENT]
+    [row] = Tokenize(str(model_dir), 2048, "reject").tokenize_line("f:1", json.dumps({"messages": agent, "tools": TOOLS}))
+    assert row["status"] == "ok" and row["turns"] == "full"
+    assert row["unrendered"].split(",") == ["messages[1].reasoning_content", "messages[1].tool_calls",
+                                            "messages[3].reasoning_content", "tools"]  # fmt: skip
