@@ -30,6 +30,15 @@ def summarize(output: str) -> str:
         raw = t["tokens"] * (len(manifest["aux_layers"]) + 1) * manifest["hidden_size"] * 2
         if raw:
             lines.append(f"hidden-state storage: {t['bytes'] / raw:.3f} of raw bf16 ({human_bytes(raw)} raw)")
+    conv = manifest.get("conversations")
+    if conv:
+        lines.append(
+            f"conversations (extract.turns={conv['turns']}): {conv['conversations']:,}, {conv['full']:,} rendered whole, "
+            f"{conv['each']:,} one sample per assistant turn; tokens {conv['tokens_chosen']:,} "
+            f"(full {conv['tokens_full']:,}, each {conv['tokens_each']:,})"
+        )
+        if conv["unrendered"]:
+            lines.append(f"  not rendered by the chat template (samples): {conv['unrendered']}")
     if shards:
         with store.fs.open(store.path(shards[0]), "rb") as f:
             pf = pq.ParquetFile(f)
