@@ -39,6 +39,24 @@ def call_names(m: dict) -> list[str]:
     return names
 
 
+def skip_rendered(text: str, a: int, rest: str) -> int:
+    """Past `rest` (the end of the prompt the model saw) where `text` renders it from `a` with other whitespace
+    (templates whose history and generation prompt differ in blank lines); `a` where it does not render it."""
+    i = a
+    for ch in rest:
+        if ch.isspace():
+            continue
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text) or text[i] != ch:
+            return a
+        i += 1
+    trailing = len(rest) - len(rest.rstrip())  # the prompt's own closing whitespace was seen, not generated
+    while trailing and i < len(text) and text[i].isspace():
+        i, trailing = i + 1, trailing - 1
+    return i
+
+
 class TurnLocator:
     """Finds an assistant turn's characters in a rendered conversation, with the template as the only truth."""
 
@@ -73,7 +91,9 @@ class TurnLocator:
         """Character offset in `text` (a render of msgs) where assistant message i's generated text begins:
         where the text leaves the prompt the model answered (msgs[:i] with the generation prompt)."""
         if i > 0:
-            a = lcp(text, self._render(msgs[:i], tools, gen=True))
+            pre = self._render(msgs[:i], tools, gen=True)
+            a = lcp(text, pre)
+            a = skip_rendered(text, a, pre[a:]) if a < len(pre) else a
         else:
             try:
                 pre = self._render(msgs[:0], tools, gen=True)
@@ -136,18 +156,35 @@ class TurnLocator:
             b = self.turn_end(msgs, tools, text, i, a)
         except BadRow:
             # The prompt for this turn renders the history otherwise than the whole conversation does (Qwen3
-            # keeps a tool call's reasoning only while no user message follows): cut the turn out instead,
-            # and start it after the assistant header.
-            lo, hi, n = self._cut(msgs, tools, text, i)
-            header = self.header()
-            p = max(range(lo, hi + 1), key=lambda q: (lcp(text[q : q + n], header), q))
-            a, b = p + lcp(text[p : p + n], header), p + n
+            # keeps a tool call's reasoning only while no user message follows): take the final turn after its
+            # header, cut any other turn out, and start it after the assistant header.
+            final = self._final_start(msgs, tools, text, i)
+            if final is not None:
+                a, b = final, len(text)
+            else:
+                lo, hi, n = self._cut(msgs, tools, text, i)
+                header = self.header()
+                p = max(range(lo, hi + 1), key=lambda q: (lcp(text[q : q + n], header), q))
+                a, b = p + lcp(text[p : p + n], header), p + n
             self._check_start(msgs, text, i, a)
         nxt = next((m for m in msgs[i + 1 :] if m["role"] != "assistant"), None)
         for t in texts(nxt) if nxt else ():  # the message after the turn must not be under its mask
             if text.find(t, a) >= 0 and text.find(t, b) < 0:
                 raise BadRow(f"assistant message {i}: its located text runs into the next message")
         return a, b
+
+    def _final_start(self, msgs, tools, text: str, i: int) -> int | None:
+        """Where the final message i's own text starts in `text`: after the assistant header, where the render
+        parts from that of an empty final turn (the history before it is the same in both). None if unclear."""
+        header = self.header()
+        if i != len(msgs) - 1 or not header:
+            return None
+        try:
+            empty = self._render(list(msgs[:i]) + [{"role": "assistant", "content": ""}], tools)
+        except BadRow:
+            return None
+        cut = text.rfind(header, 0, lcp(text, empty) + 1)
+        return None if cut < 0 else cut + len(header)
 
     def _as_seen(self, head, tools, text: str, i: int) -> tuple[str, int] | None:
         """(prompt + turn, turn start) where the template renders the history before the final turn otherwise
@@ -157,14 +194,9 @@ class TurnLocator:
         if i == 0:
             return None
         pre = self._render(head[:i], tools, gen=True)
-        header = self.header()
-        if text.startswith(pre) or not header or not pre.endswith(header):
+        if text.startswith(pre) or not pre.endswith(self.header()):
             return None
-        try:  # the turn's own text starts where an empty final turn renders differently from it
-            empty = self._render(head[:i] + [{"role": "assistant", "content": ""}], tools)
-        except BadRow:
+        start = self._final_start(head, tools, text, i)
+        if start is None or lcp(text, pre) > start - len(self.header()):  # the history agrees: no splice needed
             return None
-        cut = text.rfind(header, 0, lcp(text, empty) + 1)
-        if cut < 0 or lcp(text, pre) > cut:  # the history agrees up to the header: no splice needed
-            return None
-        return pre + text[cut + len(header) :], len(pre)
+        return pre + text[start:], len(pre)

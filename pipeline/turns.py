@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.locate import TurnLocator, call_names
+from pipeline.locate import TurnLocator, call_names, texts
 from pipeline.normalize import REASONING_KEY, BadRow
 from pipeline.render import TemplateRenderer
 
@@ -75,12 +75,44 @@ class ChatEncoder(TurnLocator):
         span = [t for t, (s, e) in enumerate(offsets) if e > a and s < b and e > s]
         if not span:
             return
-        first, last = span[0], span[-1] + 1
-        ends = [t for t in range(first, last) if ids[t] in self.special_ids]
-        if ends and ends[-1] < last - 1 and not self.tok.decode(ids[ends[-1] + 1 : last]).strip():
-            last = ends[-1] + 1
+        first, last = span[0], self._trim(ids, span[0], span[-1] + 1)
         for t in range(first, last):
             mask[t] = 1
+
+    def _trim(self, ids, first: int, last: int) -> int:
+        """End of a turn's tokens [first, last): after its end-of-turn token when only whitespace follows it."""
+        ends = [t for t in range(first, last) if ids[t] in self.special_ids]
+        if ends and ends[-1] < last - 1 and not self.tok.decode(ids[ends[-1] + 1 : last]).strip():
+            return ends[-1] + 1
+        return last
+
+    def _trimmed(self, ids, mask: list[int]) -> list[int]:
+        """A `{% generation %}` mask with each run trimmed like a located turn (blocks often close after the newline)."""
+        out, t = list(mask), 0
+        while t < len(out):
+            if not out[t]:
+                t += 1
+                continue
+            end = t
+            while end < len(out) and out[end]:
+                end += 1
+            for k in range(self._trim(ids, t, end), end):
+                out[k] = 0
+            t = end
+        return out
+
+    def _covers(self, ids, mask, text: str, turns: list[dict]) -> bool:
+        """Whether a `{% generation %}` mask holds every trained turn's rendered text (a template may mark only
+        some turns, e.g. the final one; then the turns are located as without the blocks)."""
+        runs, cur = [], []
+        for t, m in zip(ids, mask):
+            if m:
+                cur.append(t)
+            elif cur:
+                runs.append(self.tok.decode(cur))
+                cur = []
+        masked = "\n".join(runs + ([self.tok.decode(cur)] if cur else []))
+        return any(mask) and all(t in masked for m in turns for t in texts(m) if t in text)
 
     def _unrendered(self, msgs, tools, text: str, spans: dict[int, tuple[int, int]]) -> tuple[str, ...]:
         missing = []
@@ -101,8 +133,8 @@ class ChatEncoder(TurnLocator):
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if self.r.has_generation_tags:
             tag_ids, mask = self.r.assistant_token_mask(msgs, tools)
-            if tag_ids == ids and any(mask):
-                return Encoded(ids, mask, self._unrendered(msgs, tools, text, {i: (0, len(text)) for i in turns}))
+            if tag_ids == ids and self._covers(ids, mask, text, [msgs[i] for i in turns]):
+                return Encoded(ids, self._trimmed(ids, mask), self._unrendered(msgs, tools, text, {i: (0, len(text)) for i in turns}))
         mask = [0] * len(ids)
         spans = {}
         for i in turns:
@@ -127,8 +159,8 @@ class ChatEncoder(TurnLocator):
         mask = [0] * len(ids)
         if self.r.has_generation_tags:
             tag_ids, tag_mask = self.r.assistant_token_mask(head, tools)
-            if tag_ids == ids and any(tag_mask[start:]):
-                mask[start:] = tag_mask[start:]
+            if tag_ids == ids and self._covers(ids, [0] * start + tag_mask[start:], text, [msgs[i]]):
+                mask[start:] = self._trimmed(ids, tag_mask)[start:]
         if not any(mask):
             self._mark(ids, offsets, mask, a, len(text))
         return Encoded(ids, mask, self._unrendered(head, tools, text, {i: (a, len(text))})), start

@@ -288,3 +288,36 @@ def test_default_template_reports_what_it_leaves_out(model_dir):
     assert row["status"] == "ok" and row["turns"] == "full"
     assert row["unrendered"].split(",") == ["messages[1].reasoning_content", "messages[1].tool_calls",
                                             "messages[3].reasoning_content", "tools"]  # fmt: skip
+
+
+FINAL_ONLY_TAGS = (  # marks only the final assistant turn, and closes its block after the newline
+    "{%- for m in messages %}<|im_start|>{{ m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and loop.last %}{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}"
+    "{%- else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The generation prompt and the rendered history disagree on blank lines around the header.
+LOOSE_WHITESPACE = (
+    "{%- for m in messages %}{% if m.role == 'user' %}### Instruction:\n{{ m.content }}\n\n"
+    "{%- else %}\n### Response:\n{{ m.content }}<|im_end|>\n\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}### Response:\n{% endif %}"
+)
+
+
+def test_generation_blocks_that_skip_turns_do_not_hide_them(model_dir):
+    ct = ChatTokenizer(model_dir, chat_template=FINAL_ONLY_TAGS)
+    msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]  # fmt: skip
+    s = parse_line(json.dumps({"messages": msgs}))
+    assert spans_of(ct, ct.encode_chat(s, "full")) == [["a1<|im_end|>", "a2<|im_end|>"]]
+    # Where the blocks do cover the turn they give the mask, without the newline after the end token.
+    assert spans_of(ct, ct.encode_chat(s, "each")) == [["a1<|im_end|>"], ["a2<|im_end|>"]]
+
+
+def test_header_rendered_with_other_whitespace_is_not_trained_on(model_dir):
+    ct = ChatTokenizer(model_dir, chat_template=LOOSE_WHITESPACE)
+    msgs = [{"role": "user", "content": "Capital of Italy?"}, {"role": "assistant", "content": "Rome."},
+            {"role": "user", "content": "And Spain?"}, {"role": "assistant", "content": "Madrid."}]  # fmt: skip
+    s = parse_line(json.dumps({"messages": msgs}))
+    for policy in ("full", "each", "auto"):
+        assert [sp for spans in spans_of(ct, ct.encode_chat(s, policy)) for sp in spans] == ["Rome.<|im_end|>", "Madrid.<|im_end|>"]
