@@ -63,8 +63,13 @@ class ChatEncoder(TurnLocator):
         self.special_ids = {i for i, t in decoder.items() if getattr(t, "special", False)} | set(tok.all_special_ids)
 
     def _tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        if getattr(self.tok, "is_fast", True):
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        # A tokenizer without offsets: each token's characters from the decoded prefixes (quadratic, but rare).
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        ends = [len(self.tok.decode(ids[: t + 1], clean_up_tokenization_spaces=False)) for t in range(len(ids))]
+        return ids, list(zip([0, *ends[:-1]], ends))
 
     def count(self, text: str) -> int:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])

@@ -321,3 +321,28 @@ def test_header_rendered_with_other_whitespace_is_not_trained_on(model_dir):
     s = parse_line(json.dumps({"messages": msgs}))
     for policy in ("full", "each", "auto"):
         assert [sp for spans in spans_of(ct, ct.encode_chat(s, policy)) for sp in spans] == ["Rome.<|im_end|>", "Madrid.<|im_end|>"]
+
+
+class WithoutOffsets:
+    """The default tokenizer as a slow one: no offset mapping."""
+
+    is_fast = False
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text, **kw):
+        assert "return_offsets_mapping" not in kw
+        return self.tok(text, **kw)
+
+    def decode(self, ids, **kw):
+        return self.tok.decode(ids, **kw)
+
+
+def test_offsets_without_a_fast_tokenizer_give_the_same_masks(model_dir):
+    fast = ChatTokenizer(model_dir, chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    slow = ChatTokenizer(model_dir, chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    slow.chat.tok = WithoutOffsets(slow.tok)
+    for conv in ("reasoning", "plain", "agent"):
+        a, b = fast.encode_chat(sample(conv), "auto"), slow.encode_chat(sample(conv), "auto")
+        assert [(s.encoded.ids, s.encoded.mask) for s in a.samples] == [(s.encoded.ids, s.encoded.mask) for s in b.samples]
