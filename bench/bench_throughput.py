@@ -110,7 +110,7 @@ def run_job(config: str, input_path: str, job_set: list[str], label: str) -> dic
 
 
 def shipped_set(tok: Tokenize, lines: list[str]) -> list[list[int]]:
-    rows = [tok.tokenize_line(f"x:{i}", line) for i, line in enumerate(lines) if line.strip()]
+    rows = [r for i, line in enumerate(lines) if line.strip() for r in tok.tokenize_line(f"x:{i}", line)]
     return [r["input_ids"] for r in rows if r["status"] == "ok"]
 
 
@@ -122,7 +122,7 @@ def short_set(tok: Tokenize, lines: list[str], count: int, seed: int) -> list[li
             sample = parse_line(line)
         except BadRow:
             continue
-        text = sample.text or "\n\n".join(m["content"] for m in sample.messages)
+        text = sample.text or "\n\n".join(m.get("content") or "" for m in sample.messages)
         stream += tok.tokenizer.tok(text, add_special_tokens=False)["input_ids"] if text else []
     if not stream:
         sys.exit("the config's input has no text to cut the short prompts from")
@@ -208,7 +208,8 @@ def main() -> None:
 
     cfg = load_config(config, args.job_set)
     model_dir = resolve_model(cfg.model.path)
-    tok = Tokenize(str(model_dir), cfg.extract.max_tokens, cfg.extract.overlength)
+    tok = Tokenize(str(model_dir), cfg.extract.max_tokens, cfg.extract.overlength, cfg.input.id_field,
+                   cfg.extract.turns, dict(cfg.extract.template_kwargs))
     lines = Path(cfg.input.path).read_text().splitlines()
     aux = cfg.extract.aux_layers or default_aux_layers(num_hidden_layers(model_dir))
     threads = cfg.engine.cpu_threads or os.cpu_count()

@@ -81,6 +81,23 @@ class ExtractConfig(_Strict):
     retries: int = Field(2, ge=0)
     # Samples per actor batch; one batch becomes one shard.
     batch_size: int = Field(32, ge=1)
+    # Where a conversation's samples and masks come from (pipeline/turns.py): full = rendered once, every
+    # assistant turn masked as the template renders it there; each = one sample per assistant turn, rendered
+    # as the model saw it when it generated that turn (ids <id>#<k>); auto = full where the template is
+    # prefix-stable for the conversation (same signal, fewer tokens), each where it is not.
+    turns: Literal["full", "each", "auto"] = "auto"
+    # Extra variables for the chat template, e.g. {enable_thinking: true}.
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        # These are the job's to set per render; as template variables they would clash or change the samples.
+        taken = sorted(set(v) & {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                 "continue_final_message", "tokenize", "return_dict", "chat_template"})  # fmt: skip
+        if taken:
+            raise ValueError(f"template_kwargs may not set {taken}: the job passes those itself (tools come from each row)")
+        return v
 
     @field_validator("aux_layers")
     @classmethod

@@ -43,18 +43,21 @@ def cmd_run(args) -> int:
     summary = run(cfg)
     t = summary["totals"]
     p = summary["this_run"]
+    samples = t.get("samples", t["input_rows"])
+    # One sample per input row unless extract.turns splits conversations into one sample per assistant turn.
+    whole = f"{t['input_rows']:,} input rows" if samples == t["input_rows"] else f"{samples:,} samples from {t['input_rows']:,} input rows"
     lines = [
         f"output: {summary['output']}",
         f"this run: {p.ok:,} ok, {p.errors:,} errors, {p.filtered:,} filtered, {p.tokens:,} tokens, "
         f"{human_bytes(p.bytes)} ({p.bytes:,} bytes) committed",
         f"output totals: {t['samples_ok']:,} ok + {t['errors']:,} errors + {t['filtered']:,} filtered = "
-        f"{t['accounted']:,} of {t['input_rows']:,} input rows; {t['tokens']:,} tokens; "
+        f"{t['accounted']:,} of {whole}; {t['tokens']:,} tokens; "
         f"{human_bytes(t['bytes'])} ({t['bytes']:,} bytes) in {t['shards']} shards",
     ]
     if summary["reasons"]:
         lines.append("top error reasons: " + "; ".join(f"{n}x {r}" for r, n in summary["reasons"]))
     print("\n".join(lines))
-    return 0 if t["accounted"] == t["input_rows"] else 1
+    return 0 if t["accounted"] == samples else 1
 
 
 def cmd_inspect(args) -> int:

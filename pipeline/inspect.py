@@ -25,11 +25,20 @@ def summarize(output: str) -> str:
     if t:
         lines.append(
             f"samples: {t['samples_ok']:,} ok, {t['errors']:,} errors, {t['filtered']:,} filtered "
-            f"(of {t.get('input_rows', '?')} input rows); tokens: {t['tokens']:,}; bytes: {human_bytes(t['bytes'])} in {t['shards']} shards"
+            f"(of {t.get('samples', '?')} samples from {t.get('input_rows', '?')} input rows); tokens: {t['tokens']:,}; bytes: {human_bytes(t['bytes'])} in {t['shards']} shards"
         )
         raw = t["tokens"] * (len(manifest["aux_layers"]) + 1) * manifest["hidden_size"] * 2
         if raw:
             lines.append(f"hidden-state storage: {t['bytes'] / raw:.3f} of raw bf16 ({human_bytes(raw)} raw)")
+    conv = manifest.get("conversations")
+    if conv:
+        lines.append(
+            f"conversations (extract.turns={conv['turns']}): {conv['conversations']:,}, {conv['full']:,} rendered whole, "
+            f"{conv['each']:,} one sample per assistant turn; tokens {conv['tokens_chosen']:,} "
+            f"(full {conv['tokens_full']:,}, each {conv['tokens_each']:,})"
+        )
+        if conv["unrendered"]:
+            lines.append(f"  not rendered by the chat template (samples): {conv['unrendered']}")
     if shards:
         with store.fs.open(store.path(shards[0]), "rb") as f:
             pf = pq.ParquetFile(f)

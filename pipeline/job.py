@@ -29,6 +29,9 @@ from pipeline.tokenize import Tokenize, fingerprint_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# The per-sample metadata the driver needs; never the token ids.
+INDEX_COLUMNS = ("sample_id", "source", "num_tokens", "num_masked", "status", "turns", "cost_full", "cost_each", "unrendered")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -64,6 +67,8 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         "encoding": cfg.output.encoding,
         "last_hidden_state_rows": cfg.output.last_hidden_state,
         "id_field": cfg.input.id_field,
+        "turns": cfg.extract.turns,
+        "template_kwargs": dict(cfg.extract.template_kwargs),
     }
     return Plan(model_dir, layout, cuda, settings)
 
@@ -76,12 +81,38 @@ def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
         fn_constructor_kwargs=dict(
             model_dir=str(plan.model_dir), max_tokens=cfg.extract.max_tokens,
             overlength=cfg.extract.overlength, id_field=cfg.input.id_field,
+            turns=cfg.extract.turns, template_kwargs=dict(cfg.extract.template_kwargs),
         ),
         batch_format="pyarrow",
         batch_size=256,
         # Tokenizing is CPU-bound and cheap next to extraction; a few actors keep it off the critical path.
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4),
     )  # fmt: skip
+
+
+def conversation_summary(index: pa.Table, policy: str) -> dict:
+    """What extract.turns chose for this input and its token cost, per input row (a row's samples repeat it)."""
+    per_row: dict[str, tuple[str, int, int]] = {}
+    unrendered: Counter = Counter()
+    for source, turns, full, each, missing in zip(
+        *(index[c].to_pylist() for c in ("source", "turns", "cost_full", "cost_each", "unrendered"))
+    ):
+        if turns:
+            per_row[source] = (turns, full, each)
+        unrendered.update(f.split(".")[-1] for f in missing.split(",") if f)
+    chosen = Counter(t for t, _, _ in per_row.values())
+    tokens_full = sum(f for _, f, _ in per_row.values())
+    tokens_each = sum(e for _, _, e in per_row.values())
+    tokens_chosen = sum(f if t == "full" else e for t, f, e in per_row.values())
+    plan = (
+        f"extract.turns={policy}: {len(per_row)} conversations, {chosen['full']} rendered whole, {chosen['each']} "
+        f"one sample per assistant turn; tokens {tokens_chosen} (full would be {tokens_full}, each {tokens_each})"
+    )
+    return {
+        "turns": policy, "conversations": len(per_row), "full": chosen["full"], "each": chosen["each"],
+        "tokens_full": tokens_full, "tokens_each": tokens_each, "tokens_chosen": tokens_chosen,
+        "unrendered": dict(unrendered), "plan": plan,
+    }  # fmt: skip
 
 
 def committed_ids(store: Store) -> set[str]:
@@ -97,12 +128,16 @@ def committed_ids(store: Store) -> set[str]:
 
 
 def find_duplicates(ids: pa.Table) -> dict[str, str]:
-    """(sample_id -> reason) for every row after the first with the same id, keyed by `source`."""
+    """(source -> reason) for every input row after the first whose sample ids repeat another row's.
+
+    One row may give several samples (one per assistant turn); they share the row's source and are
+    never duplicates of each other. A duplicated row is skipped whole.
+    """
     first: dict[str, str] = {}
     dups: dict[str, str] = {}
     for sid, source in sorted(zip(ids["sample_id"].to_pylist(), ids["source"].to_pylist()), key=lambda r: _source_key(r[1])):
-        if sid in first:
-            dups[source] = f"duplicate sample_id {sid!r} (first seen at {first[sid]})"
+        if sid in first and first[sid] != source:
+            dups.setdefault(source, f"duplicate sample_id {sid!r} (first seen at {first[sid]})")
         else:
             first[sid] = source
     return dups
@@ -162,23 +197,33 @@ def run(cfg: HarvestConfig) -> dict:
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
 
     tokenized = tokenized_dataset(cfg, plan).materialize()
-    index = pa.concat_tables(
-        ray.get(tokenized.select_columns(["sample_id", "source", "num_tokens", "num_masked", "status"]).to_arrow_refs())
-    )
-    input_rows = index.num_rows
+    index = pa.concat_tables(ray.get(tokenized.select_columns(list(INDEX_COLUMNS)).to_arrow_refs()))
+    samples = index.num_rows
+    sources = index["source"].to_pylist()
+    input_rows = len(set(sources))
     dups = find_duplicates(index)
+    dup_samples = sum(s in dups for s in sources)
     done = committed_ids(store)
     if dups:
         body = "".join(json.dumps({"source": s, "status": "filtered", "stage": "dedup", "reason": r}) + "\n" for s, r in sorted(dups.items()))
         store.write_bytes(DUPLICATES, body.encode())
-    todo_mask = [s not in dups and sid not in done for sid, s in zip(index["sample_id"].to_pylist(), index["source"].to_pylist())]
+    todo_mask = [s not in dups and sid not in done for sid, s in zip(index["sample_id"].to_pylist(), sources)]
     todo_rows = sum(todo_mask)
     todo_tokens = sum(n for n, keep in zip(index["num_tokens"].to_pylist(), todo_mask) if keep)
     todo_masked = sum(n for n, keep in zip(index["num_masked"].to_pylist(), todo_mask) if keep)
+    conversations = conversation_summary(index, cfg.extract.turns)
     logger.info(
-        "%d input rows: %d already committed, %d duplicates, %d to process (%d tokens), device=%s",
-        input_rows, input_rows - todo_rows - len(dups), len(dups), todo_rows, todo_tokens, "cuda" if plan.cuda else "cpu",
+        "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens), device=%s; %s",
+        input_rows, samples, samples - todo_rows - dup_samples, dup_samples, todo_rows, todo_tokens,
+        "cuda" if plan.cuda else "cpu", conversations["plan"],
     )  # fmt: skip
+    if conversations["unrendered"]:
+        logger.warning(
+            "the chat template does not render some fields, which are kept out of those samples: %s "
+            "(a template that reads them, e.g. one with reasoning or tool support, would train on them)",
+            ", ".join(f"{k} in {n} sample(s)" for k, n in sorted(conversations["unrendered"].items())),
+        )
+    manifest["conversations"] = {k: v for k, v in conversations.items() if k != "plan"}
 
     check_budget(store, plan.layout, todo_tokens, todo_masked, cfg.output.check_free_space)
 
@@ -188,8 +233,9 @@ def run(cfg: HarvestConfig) -> dict:
         _extract(cfg, plan, tokenized, set(dups), done, progress, reasons)
 
     totals = committed_totals(store)
-    totals["filtered"] += len(dups)
+    totals["filtered"] += dup_samples
     totals["input_rows"] = input_rows
+    totals["samples"] = samples
     totals["accounted"] = totals["samples_ok"] + totals["errors"] + totals["filtered"]
     last_run = {
         "samples_ok": progress.ok, "errors": progress.errors, "tokens": progress.tokens, "bytes": progress.bytes,

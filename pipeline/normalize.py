@@ -1,7 +1,14 @@
 """Turn one JSONL line into one canonical sample, or a reason why it cannot be one.
 
-Accepted shapes: `messages` (role/content), `conversations` (ShareGPT from/value), `input_ids`
+Accepted shapes: `messages` (OpenAI-style chat), `conversations` (ShareGPT from/value), `input_ids`
 with optional `loss_mask`, or `text`; an optional id field, else a stable id derived from content.
+
+Chat messages keep every field they carry, because any of them may be read by a chat template:
+`content` (a string; null is allowed on an assistant turn that has `tool_calls`), `reasoning_content`
+(aliases `reasoning` and `thinking` are folded into it; `pipeline.render` hands it to the template under
+the name the template reads), `tool_calls`, `name`, `tool_call_id`, and anything else. A row-level
+`tools` list (or a JSON string holding one) is passed to the template as `tools=`. Inline
+`<think>...</think>` in content is left alone: the template decides what it renders.
 """
 
 from __future__ import annotations
@@ -10,8 +17,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-ROLES = ("system", "user", "assistant")
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+REASONING_KEY = "reasoning_content"
+REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "tool": "tool", "observation": "tool", "function": "function"}  # fmt: skip
 
 
 class BadRow(ValueError):
@@ -26,6 +36,7 @@ class Sample:
     input_ids: tuple[int, ...] = ()
     loss_mask: tuple[int, ...] | None = None
     text: str = ""
+    tools: tuple[dict, ...] | None = None
 
 
 def content_id(obj) -> str:
@@ -33,27 +44,72 @@ def content_id(obj) -> str:
     return "h" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
+def _reasoning(m: dict, where: str) -> dict:
+    """Fold the reasoning aliases into one key; two different texts would leave one of them untrained."""
+    found = {k: m[k] for k in REASONING_ALIASES if m.get(k) is not None}
+    if not found:
+        return m
+    values = set(found.values())
+    if len(values) > 1:
+        raise BadRow(f"{where}: {sorted(found)} hold different reasoning texts; keep one")
+    text = values.pop()
+    if not isinstance(text, str):
+        raise BadRow(f"{where}: {next(iter(found))} must be a string")
+    out = {k: v for k, v in m.items() if k not in REASONING_ALIASES}
+    out[REASONING_KEY] = text
+    return out
+
+
+def _check_tool_calls(m: dict, where: str) -> None:
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise BadRow(f"{where}: tool_calls must be a list of objects")
+    if m["role"] != "assistant" and calls:
+        raise BadRow(f"{where}: only assistant messages carry tool_calls (role is {m['role']!r})")
+
+
+def _message(m, i: int, key: str) -> dict:
+    where = f"{key}[{i}]"
+    if not isinstance(m, dict):
+        raise BadRow(f"{where} is not an object")
+    if key == "conversations":
+        role = _SHAREGPT_ROLES.get(m.get("from"))
+        if role is None:
+            raise BadRow(f"{where}: unknown speaker {m.get('from')!r} (expected one of {sorted(_SHAREGPT_ROLES)})")
+        m = {"role": role, "content": m.get("value"), **{k: v for k, v in m.items() if k not in ("from", "value")}}
+    elif m.get("role") not in ROLES:
+        raise BadRow(f"{where}: unknown role {m.get('role')!r} (expected one of {list(ROLES)})")
+    m = _reasoning(dict(m), where)
+    _check_tool_calls(m, where)
+    content = m.get("content")
+    # OpenAI's shape: an assistant turn that only calls tools has content null.
+    if not isinstance(content, str) and not (content is None and m["role"] == "assistant" and m.get("tool_calls")):
+        raise BadRow(f"{where}: content must be a string")
+    return m
+
+
 def _messages(raw, key: str) -> tuple[dict, ...]:
     if not isinstance(raw, list) or not raw:
         raise BadRow(f"`{key}` must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise BadRow(f"{key}[{i}] is not an object")
-        if key == "conversations":
-            role, content = _SHAREGPT_ROLES.get(m.get("from")), m.get("value")
-            if role is None:
-                raise BadRow(f"{key}[{i}]: unknown speaker {m.get('from')!r} (expected one of {sorted(_SHAREGPT_ROLES)})")
-        else:
-            role, content = m.get("role"), m.get("content")
-            if role not in ROLES:
-                raise BadRow(f"{key}[{i}]: unknown role {role!r} (expected one of {list(ROLES)})")
-        if not isinstance(content, str):
-            raise BadRow(f"{key}[{i}]: content must be a string")
-        out.append({"role": role, "content": content})
+    out = tuple(_message(m, i, key) for i, m in enumerate(raw))
     if not any(m["role"] == "assistant" for m in out):
         raise BadRow("conversation has no assistant turn, so no token would be trained on")
-    return tuple(out)
+    return out
+
+
+def _tools(raw) -> tuple[dict, ...] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, str):  # some datasets store the tool list as a JSON string
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise BadRow("`tools` is a string that is not a JSON list of tools") from None
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise BadRow("`tools` must be a list of tool objects")
+    return tuple(raw) or None
 
 
 def _int_list(raw, key: str) -> tuple[int, ...]:
@@ -77,8 +133,12 @@ def parse_line(line: str, id_field: str = "id") -> Sample:
     if "messages" in row or "conversations" in row:
         key = "messages" if "messages" in row else "conversations"
         msgs = _messages(row[key], key)
-        sid = str(raw_id) if raw_id is not None else content_id({"messages": msgs})
-        return Sample(sid, "chat", messages=msgs)
+        tools = _tools(row.get("tools"))
+        if raw_id is not None:
+            sid = str(raw_id)
+        else:  # rows without tools hash as they always did, so their ids survive this change
+            sid = content_id({"messages": msgs, **({"tools": tools} if tools else {})})
+        return Sample(sid, "chat", messages=msgs, tools=tools)
     if "input_ids" in row:
         ids = _int_list(row["input_ids"], "input_ids")
         mask = None

@@ -130,6 +130,8 @@ def verify(output: str) -> Report:
     for key, have in (("samples_ok", report.samples), ("tokens", report.tokens), ("bytes", report.bytes), ("shards", report.shards)):
         if totals.get(key) != have:
             report.problems.append(f"manifest totals.{key}={totals.get(key)} but the shards hold {have}")
-    if totals and totals.get("accounted") != totals.get("input_rows"):
-        report.problems.append(f"manifest accounts for {totals.get('accounted')} of {totals.get('input_rows')} input rows")
+    # One input row gives one sample, or one per assistant turn under extract.turns=each/auto.
+    expected = totals.get("samples", totals.get("input_rows"))
+    if totals and totals.get("accounted") != expected:
+        report.problems.append(f"manifest accounts for {totals.get('accounted')} of {expected} samples")
     return report

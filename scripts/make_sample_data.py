@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Write conf/data/sample_conversations.jsonl, the sample dataset of hidden-harvest.
-Deterministic (random.Random(1234)), stdlib only, no network: rerunning reproduces the file byte
-for byte. Rows mix every accepted shape (chat "messages", ShareGPT "conversations", pre-tokenized
-"input_ids", plain "text") plus four deliberately bad rows (ids "bad-*") for the error handling.
+Deterministic (random.Random(1234), and random.Random(99) for the agentic rows), stdlib only, no network:
+rerunning reproduces the file byte for byte. Rows mix every accepted shape (chat "messages", ShareGPT
+"conversations", pre-tokenized "input_ids", plain "text") plus four deliberately bad rows (ids "bad-*")
+for the error handling. Some multi-turn chats carry reasoning (`reasoning_content`, or its alias
+`reasoning`, or inline <think> in the content) and some call tools (a row-level `tools` list, assistant
+`tool_calls`, `tool` messages with `tool_call_id`), as the data of reasoning and agentic targets does.
 Conversations run from a few tokens up to ~2,000 tokens (1 token ~ 4 characters).
 """
 import argparse
@@ -173,6 +176,71 @@ BAD_ROWS = [
 ]
 
 
+TOOLS = {
+    "get_weather": ("Current weather for a city", {"city": "string"}),
+    "convert_currency": ("Convert an amount between two currencies", {"amount": "number", "from": "string", "to": "string"}),
+    "search_docs": ("Search the project documentation", {"query": "string"}),
+}
+TOOL_TASKS = [  # (question, tool, arguments, result, answer)
+    ("What's the weather like in Lisbon right now?", "get_weather", {"city": "Lisbon"},
+     {"temperature_c": 21, "conditions": "sunny", "wind_kmh": 12}, "It's 21 °C and sunny in Lisbon, with a light breeze of 12 km/h."),
+    ("Is it raining in Oslo?", "get_weather", {"city": "Oslo"},
+     {"temperature_c": 6, "conditions": "light rain", "wind_kmh": 20}, "Yes, there's light rain in Oslo at the moment, 6 °C with a 20 km/h wind."),
+    ("How much is 250 US dollars in euros?", "convert_currency", {"amount": 250, "from": "USD", "to": "EUR"},
+     {"amount": 231.4, "currency": "EUR", "rate": 0.9256}, "250 USD is about 231.40 EUR at the current rate of 0.9256."),
+    ("Convert 1,000 yen to British pounds, please.", "convert_currency", {"amount": 1000, "from": "JPY", "to": "GBP"},
+     {"amount": 5.21, "currency": "GBP", "rate": 0.00521}, "1,000 JPY comes to roughly 5.21 GBP."),
+    ("How do I resume an interrupted run?", "search_docs", {"query": "resume interrupted run"},
+     {"hits": ["Rerun the same command: committed samples are skipped."]},
+     "Just rerun the same command. Samples that were already committed are skipped, so the run picks up where it stopped."),
+    ("Where does the output manifest live?", "search_docs", {"query": "manifest location"},
+     {"hits": ["manifest.json sits at the root of the output directory."]}, "The manifest is `manifest.json`, at the root of the output directory."),
+]
+THOUGHTS = ["The user wants {q} I know this well enough to answer directly, so I'll keep it short and concrete.",
+            "Let me think about what matters most here: {q} A clear first point, then one practical tip.",
+            "They ask: {q} I should lead with the direct answer and then add one useful detail."]
+
+
+def tool_schema(name):
+    desc, params = TOOLS[name]
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {k: {"type": v} for k, v in params.items()}, "required": list(params)}}}
+
+
+def reasoning_chat(rng, n):
+    """A multi-turn chat whose assistant turns carry their reasoning, in one of the shapes datasets use."""
+    style = ["reasoning_content", "reasoning", "inline"][n % 3]
+    topics = rng.sample(list(TOPICS), 2)
+    msgs = [msg("system", rng.choice(SYSTEM_PROMPTS))] if n % 2 else []
+    for topic in topics:
+        q = rng.choice(TOPICS[topic][0])
+        thought = rng.choice(THOUGHTS).format(q=q[0].lower() + q[1:])
+        a = " ".join(rng.sample(TOPICS[topic][1], 2))
+        msgs.append(msg("user", q))
+        if style == "inline":
+            msgs.append(msg("assistant", f"<think>\n{thought}\n</think>\n\n{a}"))
+        else:
+            msgs.append({"role": "assistant", style: thought, "content": a})
+    return msgs
+
+
+def tool_chat(rng, n):
+    """An agentic chat: a tool call with its reasoning, the tool's answer, the final answer, maybe a follow-up."""
+    q, name, args, result, answer = TOOL_TASKS[n % len(TOOL_TASKS)]
+    call_id = f"call_{n:03d}"
+    msgs = [msg("user", q),
+            {"role": "assistant", "content": "Let me look that up.",
+             "reasoning_content": f"I need live data for this, so I'll call {name}.",
+             "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+            {"role": "tool", "tool_call_id": call_id, "name": name, "content": json.dumps(result)},
+            {"role": "assistant", "content": answer, "reasoning_content": f"The tool returned {json.dumps(result)}; I'll report it plainly."}]
+    if rng.random() < 0.5:
+        msgs += [msg("user", rng.choice(["Thanks!", "Great, thank you.", "Perfect."])),
+                 msg("assistant", rng.choice(["You're welcome!", "Glad I could help.", "Any time!"]))]
+    tools = [tool_schema(t) for t in sorted({name, *rng.sample(sorted(TOOLS), 1)})]
+    return msgs, tools
+
+
 def msg(role, content):
     return {"role": role, "content": content}
 
@@ -276,6 +344,12 @@ def main():
         sents = rng.sample(TOPICS[topic][1], rng.randint(3, 7))
         text = " ".join(sents[:3]) + ("\n\n" + " ".join(sents[3:]) if len(sents) > 3 else "")
         rows.append({"id": f"text-{n:04d}", "text": text} if n <= 2 else {"text": text})
+
+    agentic = random.Random(99)  # its own stream, so the rows above stay as they were
+    rows += [{"messages": reasoning_chat(agentic, n)} for n in range(12)]
+    for n in range(10):
+        msgs, tools = tool_chat(agentic, n)
+        rows.append({"messages": msgs, "tools": tools})
 
     rng.shuffle(rows)
     with_id = set(rng.sample([i for i, r in enumerate(rows) if "messages" in r], len(chats) // 2))

@@ -37,9 +37,9 @@ def test_stored_tokens_and_masks_are_the_tokenizers(harvest_run, e2e_input, mode
     tok = Tokenize(str(model_dir), max_tokens=2048, overlength="reject")
     expected = {}
     for i, line in enumerate(e2e_input.read_text().splitlines()):
-        r = tok.tokenize_line(f"x:{i}", line)
-        if r["status"] == "ok":
-            expected[r["sample_id"]] = r
+        for r in tok.tokenize_line(f"x:{i}", line):
+            if r["status"] == "ok":
+                expected[r["sample_id"]] = r
     seen = 0
     for s in open_shards(str(out)):
         exp = expected[s["sample_id"]]
@@ -121,3 +121,18 @@ def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_sessio
     bits = (hi.astype(np.uint16) << 8 | lo).reshape(h, t).T
     want = next(s for s in open_shards(str(out), as_torch=False) if s["sample_id"] == df["sample_id"][0])
     np.testing.assert_array_equal(bits, want["last_hidden_state"])
+
+
+def test_manifest_records_the_turns_policy_and_what_the_template_left_out(harvest_run, e2e_input):
+    out, summary = harvest_run
+    manifest = read_manifest(Store(str(out)))
+    assert (manifest["data_settings"]["turns"], manifest["data_settings"]["template_kwargs"]) == ("auto", {})
+    conv = manifest["conversations"]
+    # SmolLM2's ChatML template renders a prefix of a conversation as it renders it inside the whole one.
+    assert conv["conversations"] == conv["full"] > 0 and conv["each"] == 0
+    assert conv["tokens_chosen"] == conv["tokens_full"] < conv["tokens_each"]
+    assert summary["totals"]["samples"] == summary["totals"]["input_rows"]
+    # Its template renders neither reasoning nor tool calls: the samples that carry them say so.
+    carrying = sum('"reasoning_content"' in line or '"tool_calls"' in line for line in e2e_input.read_text().splitlines())
+    assert carrying > 0 and sum(conv["unrendered"].values()) >= carrying
+    assert set(conv["unrendered"]) <= {"reasoning_content", "tool_calls", "tools"}

@@ -136,3 +136,16 @@ def test_config_objects_are_frozen(default_yaml):
     with pytest.raises(pydantic.ValidationError):
         cfg.output = cfg.output
     assert cfg.extract.max_tokens == 2048
+
+
+def test_extract_turns_and_template_kwargs(default_yaml):
+    cfg = load_config(default_yaml)
+    assert (cfg.extract.turns, cfg.extract.template_kwargs) == ("auto", {})
+    cfg = load_config(default_yaml, ["extract.turns=each", "extract.template_kwargs={enable_thinking: true}"])
+    assert (cfg.extract.turns, cfg.extract.template_kwargs) == ("each", {"enable_thinking": True})
+    with pytest.raises(ConfigError, match="extract.turns"):
+        load_config(default_yaml, ["extract.turns=last"])
+    with pytest.raises(ConfigError, match="extract.template_kwargs"):
+        load_config(default_yaml, ["extract.template_kwargs=[1]"])
+    with pytest.raises(ConfigError, match="may not set \\['add_generation_prompt'\\]"):
+        load_config(default_yaml, ["extract.template_kwargs={add_generation_prompt: true}"])

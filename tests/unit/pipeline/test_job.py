@@ -1,6 +1,6 @@
 import pyarrow as pa
 
-from pipeline.job import default_aux_layers, find_duplicates
+from pipeline.job import conversation_summary, default_aux_layers, find_duplicates, make_plan
 
 
 def test_default_aux_layers():
@@ -37,3 +37,43 @@ def test_result_does_not_depend_on_input_order():
     forward = find_duplicates(table(rows))
     assert forward == find_duplicates(table(rows[::-1]))
     assert set(forward) == {"f:7", "f:12", "f:100", "f:1"}
+
+
+def test_turns_of_one_row_are_not_duplicates_of_each_other():
+    rows = [("c#0", "f:1"), ("c#1", "f:1"), ("c#2", "f:1"), ("d", "f:2")]
+    assert find_duplicates(table(rows)) == {}
+
+
+def test_a_repeated_multi_turn_row_is_one_duplicate_source():
+    rows = [("c#0", "f:1"), ("c#1", "f:1"), ("c#0", "f:5"), ("c#1", "f:5")]
+    assert find_duplicates(table(rows)) == {"f:5": "duplicate sample_id 'c#0' (first seen at f:1)"}
+
+
+def index(rows):
+    cols = ("source", "turns", "cost_full", "cost_each", "unrendered")
+    return pa.table({c: [r[i] for r in rows] for i, c in enumerate(cols)})
+
+
+def test_conversation_summary_counts_rows_once_and_prices_both_policies():
+    rows = [
+        ("f:1", "full", 100, 180, ""),  # one sample
+        ("f:2", "each", 50, 120, "messages[2].reasoning_content"),  # two samples of one row
+        ("f:2", "each", 50, 120, ""),
+        ("f:3", "", 0, 0, ""),  # a pre-tokenized or text row
+        ("f:4", "full", 30, 30, "messages[1].reasoning_content,tools"),
+    ]
+    s = conversation_summary(index(rows), "auto")
+    assert (s["conversations"], s["full"], s["each"]) == (3, 2, 1)
+    assert (s["tokens_full"], s["tokens_each"], s["tokens_chosen"]) == (180, 330, 100 + 120 + 30)
+    assert s["unrendered"] == {"reasoning_content": 2, "tools": 1}
+    assert "extract.turns=auto" in s["plan"] and "tokens 250 (full would be 180, each 330)" in s["plan"]
+
+
+def test_turns_policy_and_template_kwargs_are_data_settings(repo_root):
+    from conf import load_config
+
+    base = load_config(repo_root / "conf" / "default.yaml")
+    other = load_config(repo_root / "conf" / "default.yaml", ["extract.turns=each", "extract.template_kwargs={enable_thinking: false}"])
+    a, b = make_plan(base, 0).settings, make_plan(other, 0).settings
+    assert (a["turns"], a["template_kwargs"]) == ("auto", {})
+    assert (b["turns"], b["template_kwargs"]) == ("each", {"enable_thinking": False})

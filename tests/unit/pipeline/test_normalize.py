@@ -17,9 +17,47 @@ def test_messages_row():
     assert s.messages == tuple(CHAT)
 
 
-def test_messages_drop_extra_message_keys():
-    s = parse_line(line({"messages": [{"role": "assistant", "content": "x", "name": "bot"}]}))
-    assert s.messages == ({"role": "assistant", "content": "x"},)
+def test_messages_keep_every_field_a_template_may_read():
+    msgs = [
+        {"role": "user", "content": "weather?", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "content": "22 C", "tool_call_id": "c1", "name": "w"},
+        {"role": "function", "content": "ok", "name": "w"},
+        {"role": "assistant", "content": "Warm.", "weight": 1},
+    ]
+    assert parse_line(line({"messages": msgs})).messages == tuple(msgs)
+
+
+@pytest.mark.parametrize("alias", ["reasoning_content", "reasoning", "thinking"])
+def test_reasoning_aliases_fold_into_reasoning_content(alias):
+    s = parse_line(line({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", alias: "hmm"}]}))
+    assert s.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "hmm"}
+
+
+def test_same_reasoning_under_two_aliases_is_one_field():
+    m = {"role": "assistant", "content": "a", "reasoning": "r", "reasoning_content": "r"}
+    assert parse_line(line({"messages": [m]})).messages[0] == {"role": "assistant", "content": "a", "reasoning_content": "r"}
+
+
+def test_row_tools_list_or_json_string():
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {}}}]
+    assert parse_line(line({"messages": CHAT, "tools": tools})).tools == tuple(tools)
+    assert parse_line(line({"messages": CHAT, "tools": json.dumps(tools)})).tools == tuple(tools)
+    assert parse_line(line({"messages": CHAT, "tools": []})).tools is None
+
+
+def test_tools_change_the_derived_id_and_plain_rows_keep_theirs():
+    plain = parse_line(line({"messages": CHAT})).sample_id
+    assert plain == content_id({"messages": CHAT})
+    assert parse_line(line({"messages": CHAT, "tools": [{"name": "w"}]})).sample_id != plain
+
+
+def test_sharegpt_tool_speakers_and_extra_fields():
+    convs = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "reasoning": "r"},
+             {"from": "observation", "value": "o"}, {"from": "gpt", "value": "b"}]  # fmt: skip
+    s = parse_line(line({"conversations": convs}))
+    assert [m["role"] for m in s.messages] == ["user", "assistant", "tool", "assistant"]
+    assert s.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "r"}
 
 
 def test_sharegpt_row_maps_speakers():
@@ -109,6 +147,14 @@ def test_content_id_is_key_order_independent():
         (line({"text": ""}), "text` must be a non-empty string"),
         (line({"id": 1.5, "text": "t"}), "`id` must be a string or an integer"),
         (line({"prompt": "p", "completion": "c"}), r"none of messages, conversations, input_ids, text \(keys: \['completion', 'prompt'\]\)"),
+        (line({"messages": [{"role": "user", "content": None}]}), r"messages\[0\]: content must be a string"),
+        (line({"messages": [{"role": "assistant", "content": None}]}), r"messages\[0\]: content must be a string"),
+        (line({"messages": [{"role": "assistant", "content": "a", "reasoning": "x", "thinking": "y"}]}), "different reasoning texts"),
+        (line({"messages": [{"role": "assistant", "content": "a", "reasoning_content": 3}]}), "must be a string"),
+        (line({"messages": [{"role": "assistant", "content": "a", "tool_calls": {"name": "f"}}]}), "tool_calls must be a list of objects"),
+        (line({"messages": [{"role": "user", "content": "a", "tool_calls": [{"name": "f"}]}]}), "only assistant messages carry tool_calls"),
+        (line({"messages": CHAT, "tools": "not json"}), "not a JSON list of tools"),
+        (line({"messages": CHAT, "tools": {"name": "f"}}), "`tools` must be a list of tool objects"),
     ],
 )
 def test_bad_rows_say_why(raw, reason):

@@ -91,7 +91,7 @@ def test_assistant_first_conversation_masks_only_the_answer(chat_tokenizer):
 def test_content_merging_with_header_is_masked_whole(chat_tokenizer, tokenize):
     # "\n\n" at the start of the answer merges with the header's "\n" into one token; the model
     # generates that token, so it is masked whole rather than dropped.
-    row = tokenize.tokenize_line("f:1", json.dumps({"messages": [u("q"), a("\n\nlead")]}))
+    [row] = tokenize.tokenize_line("f:1", json.dumps({"messages": [u("q"), a("\n\nlead")]}))
     assert row["status"] == "ok", row["reason"]
     assert masked_spans(chat_tokenizer.tok, row["input_ids"], row["loss_mask"]) == ["\n\n\nlead<|im_end|>"]
 
@@ -111,29 +111,29 @@ def test_pretokenized_rows_pass_through(chat_tokenizer):
 
 @pytest.mark.parametrize("bad_id", [49152, -1, 10**9])
 def test_out_of_vocab_id_is_error_row(tokenize, bad_id):
-    row = tokenize.tokenize_line("f.jsonl:3", json.dumps({"id": "x", "input_ids": [1, bad_id]}))
+    [row] = tokenize.tokenize_line("f.jsonl:3", json.dumps({"id": "x", "input_ids": [1, bad_id]}))
     assert (row["sample_id"], row["status"], row["stage"]) == ("x", "error", "tokenize")
     assert "outside the vocabulary [0, 49152)" in row["reason"] and str(bad_id) in row["reason"]
     assert row["input_ids"] == [] and row["num_tokens"] == 0
 
 
 def test_parse_error_becomes_error_row_with_fallback_id(tokenize):
-    row = tokenize.tokenize_line("f.jsonl:9", '{"id": "k", "messages": []}')
+    [row] = tokenize.tokenize_line("f.jsonl:9", '{"id": "k", "messages": []}')
     assert (row["sample_id"], row["source"], row["status"], row["stage"]) == ("k", "f.jsonl:9", "error", "parse")
     assert "non-empty list" in row["reason"]
 
 
 def test_all_zero_mask_is_filtered(tokenize):
-    row = tokenize.tokenize_line("s", json.dumps({"input_ids": [1, 2], "loss_mask": [0, 0]}))
+    [row] = tokenize.tokenize_line("s", json.dumps({"input_ids": [1, 2], "loss_mask": [0, 0]}))
     assert (row["status"], row["reason"]) == ("filtered", "no token has loss_mask 1")
 
 
 def test_overlength_reject_and_truncate(model_dir):
     line = json.dumps({"id": "long", "input_ids": list(range(10, 30)), "loss_mask": [0] * 5 + [1] * 15})
-    rejected = Tokenize(str(model_dir), max_tokens=8, overlength="reject").tokenize_line("s", line)
+    [rejected] = Tokenize(str(model_dir), max_tokens=8, overlength="reject").tokenize_line("s", line)
     assert (rejected["status"], rejected["stage"]) == ("filtered", "tokenize")
     assert rejected["reason"] == "20 tokens > extract.max_tokens=8 (overlength=reject)"
-    truncated = Tokenize(str(model_dir), max_tokens=8, overlength="truncate").tokenize_line("s", line)
+    [truncated] = Tokenize(str(model_dir), max_tokens=8, overlength="truncate").tokenize_line("s", line)
     assert truncated["status"] == "ok"
     assert truncated["num_tokens"] == 8 == len(truncated["input_ids"]) == len(truncated["loss_mask"])
     assert truncated["input_ids"] == list(range(10, 18))
