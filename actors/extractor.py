@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
@@ -44,6 +45,8 @@ RESULT_SCHEMA = pa.schema(
         ("bytes", pa.int64()),  # this sample's share of its shard's committed bytes (sums exactly)
         ("shard", pa.string()),
         ("latency_s", pa.float64()),
+        ("actor", pa.string()),  # host:pid of the actor that decided the sample (balance across actors)
+        ("engine_ready_unix", pa.float64()),  # when that actor's engine had started (rates after start-up)
     ]
 )
 
@@ -58,6 +61,8 @@ class HiddenStateExtractor:
         self._order = itertools.count()
         self.pool = ThreadPoolExecutor(encode_threads or min(16, os.cpu_count() or 1), thread_name_prefix="encode")
         self.engine = engine_class(**engine_kwargs).start()
+        self.actor = f"{socket.gethostname()}:{os.getpid()}"
+        self.ready_unix = time.time()
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)  # absent when __init__ failed before the engine started
@@ -83,6 +88,8 @@ class HiddenStateExtractor:
             failed, latency = self._capture(todo, shard)
             results = self._commit(rows, failed, latency, shard)
         self.metrics.record(results)
+        for r in results:
+            r.update(actor=self.actor, engine_ready_unix=self.ready_unix)
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
     def _commit(self, rows: list[dict], failed: dict, latency: dict, shard: ShardWriter) -> list[dict]:

@@ -12,8 +12,10 @@
    is the best.
 4. job: `python -m pipeline.cli run` with engine.name=hf, the best max_batch_tokens, num_actors = each of
    --actors (one GPU each), the output on local disk; then `harvest verify` on it; the output is then removed.
-job ÷ bare uses the job's steady rate (manifest last_run: committed tokens between the first and the last
-committed shard; excludes Ray and model start-up); the end-to-end rate is recorded too.
+job ÷ bare uses the job's rate after engine start (manifest last_run.tokens_per_second_after_engine_start:
+committed tokens from the moment the first actor's engine was up to the last commit; Ray and model start-up
+excluded, every batch included). The end-to-end and steady (first to last commit) rates are recorded too;
+the steady rate misleads when a few large batches are all in flight at once (they all land at the end).
 """
 
 from __future__ import annotations
@@ -157,8 +159,11 @@ def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: i
     result = {
         "actors": actors,
         "command": shlex.join(["harvest", "run", "conf/default.yaml"] + [a for s in sets for a in ("--set", s)]),
-        "tok_s": lr["steady_tokens_per_second"],
+        # From the first engine up to the last commit: every batch, no Ray or model start-up.
+        "tok_s": lr["tokens_per_second_after_engine_start"],
+        "tok_s_steady": lr["steady_tokens_per_second"],
         "tok_s_end_to_end": lr["tokens_per_second"],
+        "per_actor": lr.get("per_actor"),
         "extract_seconds": lr["extract_seconds"],
         "first_result_seconds": lr["first_result_seconds"],
         "wall_seconds": round(wall, 1),

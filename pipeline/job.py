@@ -242,6 +242,8 @@ def run(cfg: HarvestConfig) -> dict:
         "extract_seconds": round(progress.elapsed(), 3), "tokens_per_second": round(progress.tokens / max(progress.elapsed(), 1e-9), 1),
         "first_result_seconds": round(progress.first_result_at - progress.started, 3) if progress.first_result_at else None,
         "steady_tokens_per_second": round(progress.steady_tokens_per_second() or 0.0, 1),
+        "tokens_per_second_after_engine_start": round(progress.tokens_per_second_after_engine_start() or 0.0, 1),
+        "per_actor": progress.actors,
     }  # fmt: skip
     write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=last_run))
     return {"totals": totals, "this_run": progress, "reasons": reasons.most_common(5), "output": store.display()}
@@ -271,10 +273,16 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
         num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
         num_cpus=cfg.engine.cpus_per_actor,
     )
+    # Hand out batches only once every actor's engine is up: otherwise the first actor ready takes
+    # batches_per_actor batches at once and, on a short input, the others get little or nothing
+    # (measured: two GPU actors, eight batches, all eight on one actor). The setting lives in the
+    # dataset's own copy of the context.
+    results.context.wait_for_min_actors_s = int(cfg.engine.startup_timeout_s)
     progress.maybe_log(force=True)
     for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
         statuses = batch["status"].to_pylist()
         progress.update(statuses, batch["num_tokens"].to_pylist(), batch["bytes"].to_pylist())
+        progress.update_actors(batch["actor"].to_pylist(), batch["engine_ready_unix"].to_pylist(), statuses, batch["num_tokens"].to_pylist())
         reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), statuses) if st != "ok")
         progress.maybe_log()
     progress.maybe_log(force=True)

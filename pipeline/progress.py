@@ -43,6 +43,27 @@ class Progress:
     first_result_at: float | None = None
     tokens_at_first: int = 0
     _last_log: float = 0.0
+    # Per actor (host:pid): samples and tokens committed; the earliest engine start (wall clock).
+    actors: dict = field(default_factory=dict)
+    engines_ready_unix: float | None = None
+    last_result_unix: float = 0.0
+
+    def update_actors(self, actors, ready_unix, statuses, num_tokens) -> None:
+        for actor, ready, status, n in zip(actors, ready_unix, statuses, num_tokens):
+            if status == "ok":
+                a = self.actors.setdefault(actor, {"samples": 0, "tokens": 0})
+                a["samples"] += 1
+                a["tokens"] += n
+            if ready and (self.engines_ready_unix is None or ready < self.engines_ready_unix):
+                self.engines_ready_unix = ready
+        self.last_result_unix = time.time()
+
+    def tokens_per_second_after_engine_start(self) -> float | None:
+        """Committed tok/s from the first engine ready to the last result: the job's rate without Ray and
+        model start-up, every batch included (unlike the steady rate, which starts at the first result)."""
+        if self.engines_ready_unix is None or self.last_result_unix <= self.engines_ready_unix:
+            return None
+        return self.tokens / (self.last_result_unix - self.engines_ready_unix)
 
     def update(self, statuses, num_tokens, nbytes) -> None:
         first = self.first_result_at is None
