@@ -82,3 +82,19 @@ def test_no_tokens_encodes_and_decodes(encoding):
     codec = Codec(encoding)
     value = codec.encode(to_planes(np.zeros((0, 8), np.uint16))).tobytes()
     assert codec.decode_bits(value, 0, 8).shape == (0, 8)
+
+
+@pytest.mark.parametrize("encoding", ["planes_zstd", "raw"])
+def test_check_accepts_what_decodes_and_refuses_what_does_not(encoding):
+    """verify's fast path (decompress only) agrees with a full decode."""
+    bits = np.random.default_rng(4).integers(0, 1 << 16, size=(40, 64), dtype=np.uint16)
+    codec = Codec(encoding)
+    value = codec.encode(to_planes(bits)).tobytes()
+    codec.check(value, 40, 64)
+    for bad, t, w in ((value[:-3], 40, 64), (value, 41, 64), (value, 40, 63), (value + b"\0", 40, 64)):
+        with pytest.raises(CodecError):
+            codec.decode(bad, t, w)
+        with pytest.raises(CodecError):
+            codec.check(bad, t, w)
+    empty = codec.encode(to_planes(np.zeros((0, 8), np.uint16))).tobytes()
+    codec.check(empty, 0, 8)

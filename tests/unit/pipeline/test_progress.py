@@ -69,3 +69,20 @@ def test_maybe_log_respects_interval(clock, caplog):
         clock.t += 5.0
         p.maybe_log()
     assert [r.getMessage() for r in caplog.records] == [p.line()] * 2
+
+
+def test_rate_after_engine_start_and_per_actor_shares(clock, monkeypatch):
+    wall = SimpleNamespace(t=1000.0)
+    monkeypatch.setattr(progress_mod, "time", SimpleNamespace(monotonic=lambda: clock.t, time=lambda: wall.t))
+    p = Progress(total_samples=4, total_tokens=400, started=clock.t)
+    assert p.tokens_per_second_after_engine_start() is None
+    wall.t = 1010.0
+    statuses, tokens = ["ok", "ok", "error"], [100, 50, 30]
+    p.update(statuses, tokens, [1, 1, 0])
+    p.update_actors(["a:1", "b:2", "b:2"], [1002.0, 1000.0, 1000.0], statuses, tokens)
+    wall.t = 1020.0
+    p.update(["ok"], [150], [1])
+    p.update_actors(["a:1"], [1002.0], ["ok"], [150])
+    assert p.actors == {"a:1": {"samples": 2, "tokens": 250}, "b:2": {"samples": 1, "tokens": 50}}
+    # 300 committed tokens from the first engine up (t=1000) to the last result (t=1020); errors add nothing.
+    assert p.tokens_per_second_after_engine_start() == pytest.approx(15.0)
