@@ -20,6 +20,8 @@ def _init_ray(cfg) -> None:
     os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", str(max(1, int(cfg.progress.interval_s))))
     import ray
 
+    if ray.is_initialized():  # embedded in a process that already chose its cluster (tests, notebooks)
+        return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"log_to_driver": True}
     if address:

@@ -20,12 +20,13 @@ import pyarrow as pa
 from conf import HarvestConfig
 from pipeline import model as model_lib
 from pipeline.budget import check_budget
+from pipeline.intake import TokenizeLines
 from pipeline.manifest import DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, write_manifest
 from pipeline.progress import Progress
 from pipeline.read import read_jsonl
 from pipeline.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
 from pipeline.storage import Store
-from pipeline.tokenize import Tokenize, fingerprint_tokenizer
+from pipeline.tokenize import TOKENIZED_SCHEMA, fingerprint_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
 def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
     import ray.data
 
-    return read_jsonl(cfg.input.path).map_batches(
-        Tokenize,
+    return read_jsonl(cfg.input.path, cfg.input.max_line_bytes).map_batches(
+        TokenizeLines,
         fn_constructor_kwargs=dict(
             model_dir=str(plan.model_dir), max_tokens=cfg.extract.max_tokens,
             overlength=cfg.extract.overlength, id_field=cfg.input.id_field,
@@ -82,6 +83,17 @@ def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
         # Tokenizing is CPU-bound and cheap next to extraction; a few actors keep it off the critical path.
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4),
     )  # fmt: skip
+
+
+INDEX_COLUMNS = ["sample_id", "source", "num_tokens", "num_masked", "status"]
+
+
+def index_of(tokenized) -> pa.Table:
+    """The small columns of every tokenized row; an input of empty files gives an empty table, not an error."""
+    import ray
+
+    tables = [t for t in ray.get(tokenized.select_columns(INDEX_COLUMNS).to_arrow_refs()) if t.num_rows]
+    return pa.concat_tables(tables) if tables else TOKENIZED_SCHEMA.empty_table().select(INDEX_COLUMNS)
 
 
 def committed_ids(store: Store) -> set[str]:
@@ -146,9 +158,7 @@ def run(cfg: HarvestConfig) -> dict:
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
 
     tokenized = tokenized_dataset(cfg, plan).materialize()
-    index = pa.concat_tables(
-        ray.get(tokenized.select_columns(["sample_id", "source", "num_tokens", "num_masked", "status"]).to_arrow_refs())
-    )
+    index = index_of(tokenized)
     input_rows = index.num_rows
     dups = find_duplicates(index)
     done = committed_ids(store)
