@@ -42,7 +42,7 @@ def cmd_run(args) -> int:
 
     cfg = load_config(args.config, args.set or [])
     _init_ray(cfg)
-    summary = run(cfg)
+    summary = run(cfg, retry_errors=args.retry_errors)
     t = summary["totals"]
     p = summary["this_run"]
     lines = [
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run the job")
     p.add_argument("config", help="a YAML file in conf/")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--retry-errors", action="store_true",
+                   help="run again the samples whose error was transient (engine/extract stage); parse and tokenize errors stay")  # fmt: skip
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("inspect", help="summarize an output (local dir or s3://)")
     p.add_argument("output")
@@ -91,14 +93,52 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     from conf import ConfigError
     from pipeline.budget import InsufficientSpace
+    from pipeline.lock import OutputLocked
     from pipeline.manifest import SettingsMismatch
+    from pipeline.preflight import PreflightError
+    from pipeline.storage import redact
 
     try:
         return args.fn(args)
-    except (ConfigError, InsufficientSpace, SettingsMismatch, FileNotFoundError) as e:
+    except (ConfigError, InsufficientSpace, SettingsMismatch, FileNotFoundError, PreflightError, OutputLocked) as e:
         # Refusals with an actionable message: no traceback.
-        print(f"harvest: {e}", file=sys.stderr)
+        print(f"harvest: {redact(str(e))}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 -- a failure mid-run: one line that names the cause; details in the log
+        logger.debug("the run failed", exc_info=True)
+        print(f"harvest: {failure_message(e)}", file=sys.stderr)
+        return 1
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The innermost exception: through `raise ... from`, implicit context, and Ray's task errors (`.cause`)."""
+    seen: set[int] = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        cause = getattr(e, "cause", None)
+        nxt = cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
+        if nxt is None:
+            break
+        e = nxt
+    return e
+
+
+def failure_message(e: BaseException) -> str:
+    import errno
+
+    from pipeline.storage import redact
+
+    cause = root_cause(e)
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    what = f"{type(cause).__name__}: {text}"[:400]
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        hint = "the output's storage is full; free space and rerun the same command"
+    else:
+        hint = "fix the cause and rerun the same command"
+    return redact(
+        f"the run failed: {what}. Everything committed before the failure is kept (no partial shard is ever "
+        f"visible); {hint} to continue where it stopped."
+    )
 
 
 if __name__ == "__main__":

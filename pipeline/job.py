@@ -21,7 +21,10 @@ from conf import HarvestConfig
 from pipeline import model as model_lib
 from pipeline.budget import check_budget
 from pipeline.intake import TokenizeLines
-from pipeline.manifest import DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, write_manifest
+from pipeline.manifest import (
+    DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, reopen_transient_errors, write_manifest,
+)
+from pipeline.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.progress import Progress
 from pipeline.read import read_jsonl
 from pipeline.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
@@ -145,15 +148,27 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
                 encode_threads=cfg.output.encode_threads)  # fmt: skip
 
 
-def run(cfg: HarvestConfig) -> dict:
+def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
+    """The whole job; refuses (PreflightError, OutputLocked) before any extraction when it cannot work.
+
+    retry_errors: samples whose committed error is transient (engine/extract stage) run again.
+    """
     import ray
 
-    plan = make_plan(cfg, ray.cluster_resources().get("GPU", 0))
+    plan = plan_or_refuse(cfg, ray.cluster_resources().get("GPU", 0))
+    check_gpus(cfg, plan.cuda, cluster_gpus_per_node())
     store = Store(cfg.output.path)
+    with lock_output(store):
+        return _run_locked(cfg, plan, store, retry_errors)
+
+
+def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool) -> dict:
     existing = read_manifest(store)
     check_settings(existing, plan.settings)
     store.clean_temporaries(SHARD_DIR)
     store.clean_temporaries(ERROR_DIR)
+    if retry_errors:
+        logger.info("--retry-errors: %d samples with a transient (engine/extract) error will run again", reopen_transient_errors(store))
     manifest = base_manifest(cfg.output.path, plan.settings, provenance(cfg, plan), cfg.model_dump(mode="json"))
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
 

@@ -14,6 +14,8 @@ from typing import IO
 
 import fsspec
 
+from pipeline.storage import storage_options
+
 logger = logging.getLogger(__name__)
 
 # Default of input.max_line_bytes. A longer line is not read into memory: no sample under any sane max_tokens
@@ -24,7 +26,7 @@ _BOM = b"\xef\xbb\xbf"
 
 
 def expand_inputs(pattern: str) -> list[str]:
-    fs, _ = fsspec.core.url_to_fs(pattern)
+    fs, _ = fsspec.core.url_to_fs(pattern, **storage_options(pattern))
     matches = sorted(fs.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
     if not matches or (len(matches) == 1 and not fs.exists(matches[0])):
         raise FileNotFoundError(f"input.path {pattern!r} matches no file")
@@ -63,7 +65,7 @@ def decode_line(raw: bytes | None, size: int, limit: int = MAX_LINE_BYTES) -> tu
 def read_lines(item: dict, limit: int = MAX_LINE_BYTES) -> list[dict]:
     url = item["path"]
     rows = []
-    with fsspec.open(url, "rb") as f:
+    with fsspec.open(url, "rb", **storage_options(url)) as f:
         for lineno, (raw, size) in enumerate(_lines(f, limit), start=1):
             if raw is not None:
                 if lineno == 1 and raw.startswith(_BOM):  # editors on some systems start UTF-8 files with a BOM
