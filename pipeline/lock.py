@@ -111,6 +111,8 @@ class RunLock:
         return True
 
     def acquire(self) -> RunLock:
+        if self.run_id in _HELD:  # already held (e.g. acquired, then used as a context manager)
+            return self
         if not self._create():
             holder = self.read()
             reason = stale_reason(holder) if holder else "it is unreadable"

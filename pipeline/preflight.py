@@ -58,5 +58,5 @@ def lock_output(store: Store) -> RunLock:
         raise
     except Exception as e:  # noqa: BLE001 -- whatever the storage raises, the user needs the one line
         raise PreflightError(
-            f"output.path {store.display()} cannot be written: {type(e).__name__}: {redact(str(e))[:300]}"
+            f"output.path {store.display()} cannot be written: {type(e).__name__}: {redact(' '.join(str(e).split()))[:300]}"
         ) from None

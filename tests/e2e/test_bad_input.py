@@ -78,3 +78,27 @@ def test_an_input_of_only_empty_files_is_a_run_of_nothing(corpus_run, capsys):
     assert main(argv) == 0
     assert "0 ok + 0 errors + 0 filtered = 0 of 0 input rows" in capsys.readouterr().out
     assert not list((out / "shards").glob("*.parquet")) if (out / "shards").exists() else True
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["model.path=/nonexistent/model"], "model.path '/nonexistent/model' is not a HF model directory"),
+        (["extract.aux_layers=[2, 30]"], "extract.aux_layers [2, 30]: the model has layers 0..29"),
+        (["engine.device=cuda", "engine.tp_size=2"], "engine.tp_size=2 needs 2 GPUs on one node, but the largest node"),
+        (["output.path=OUT_UNDER_A_FILE"], "cannot be written: NotADirectoryError"),
+        (["output.path=s3://hh-no-such-bucket/out"], "output.path s3://hh-no-such-bucket/out cannot be written"),
+    ],
+    ids=["missing-model", "aux-layer-out-of-range", "tp-over-node-gpus", "unwritable-local-output", "unreachable-s3-output"],
+)
+def test_a_run_that_cannot_work_is_refused_before_extraction_in_one_line(corpus_run, capsys, sets, message):
+    corpus, root, _, argv, main = corpus_run
+    (root / "a-file").write_text("x")
+    out = root / "refused"
+    sets = [s.replace("OUT_UNDER_A_FILE", str(root / "a-file" / "out")) for s in sets]
+    argv = [a.replace(str(root / "out"), str(out)) for a in argv] + [x for s in sets for x in ("--set", s)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.startswith("harvest: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not out.exists()  # nothing was written: no lock, no manifest, no shard

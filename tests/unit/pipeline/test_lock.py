@@ -67,3 +67,9 @@ def test_the_heartbeat_refreshes_the_lease(store):
         time.sleep(0.3)
         holder = json.loads(store.read_bytes(LOCK))
         assert holder["heartbeat_at"] > first and holder["run_id"] == lock.run_id
+
+
+def test_an_acquired_lock_used_as_a_context_manager_is_released_once(store):
+    with RunLock(store).acquire():
+        assert store.exists(LOCK)
+    assert not store.exists(LOCK)
