@@ -216,6 +216,9 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
 
     from actors.extractor import HiddenStateExtractor
 
+    # A stage that raises (storage full or gone) fails the run with its own exception, not Ray Data's wrapper
+    # whose cause is lost on the way to the driver: the CLI names the real cause in its one line.
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
     # One block per actor batch: every actor gets work, and each committed shard reports back at once
     # (a large block would run on one actor and return all its metadata rows at the end).
