@@ -94,7 +94,7 @@ class RunLock:
     def _create(self) -> bool:
         """Exclusive create where the storage has it; False when a lock already exists."""
         if not self.store.local:
-            if self.store.exists(LOCK):
+            if self.read() is not None:  # a read, not exists(): object-store listings may be cached
                 return False
             self.store.write_bytes(LOCK, self._body())
             return True
