@@ -129,7 +129,11 @@ def failure_message(e: BaseException) -> str:
     from pipeline.storage import redact
 
     cause = root_cause(e)
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    if isinstance(cause, OSError) and cause.errno is not None:
+        # Not str(): an OSError that crossed from a Ray worker carries Ray's retry message as its filename.
+        text = f"[Errno {cause.errno}] {cause.strerror}"
+    else:
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
     what = f"{type(cause).__name__}: {text}"[:400]
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
         hint = "the output's storage is full; free space and rerun the same command"

@@ -163,6 +163,12 @@ def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
 
 
 def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool) -> dict:
+    import ray.data
+
+    # A stage that raises (storage full or gone) fails the run with its own exception, not Ray Data's wrapper
+    # whose cause is lost on the way to the driver: the CLI names the real cause in its one line. Set before
+    # any dataset is built: a dataset keeps the context it was created with.
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     existing = read_manifest(store)
     check_settings(existing, plan.settings)
     store.clean_temporaries(SHARD_DIR)
@@ -216,9 +222,6 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
 
     from actors.extractor import HiddenStateExtractor
 
-    # A stage that raises (storage full or gone) fails the run with its own exception, not Ray Data's wrapper
-    # whose cause is lost on the way to the driver: the CLI names the real cause in its one line.
-    ray.data.DataContext.get_current().raise_original_map_exception = True
     todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
     # One block per actor batch: every actor gets work, and each committed shard reports back at once
     # (a large block would run on one actor and return all its metadata rows at the end).
