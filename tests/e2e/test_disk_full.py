@@ -64,7 +64,7 @@ def test_disk_full_during_a_shard_write_then_rerun_after_freeing_space(e2e_input
     assert (save / "rc1").read_text().strip() == "1", run1[-3000:]
     assert (save / "df_full.txt").read_text().splitlines()[1].split()[3] == "0"  # the disk was full
     last = run1.strip().splitlines()[-1]
-    assert last.startswith("harvest: the run failed: OSError: [Errno 28] No space left on device"), run1[-3000:]
+    assert last.startswith("harvest: the run failed: OSError: [Errno 28] ") and "No space left on device" in last, run1[-3000:]
     assert "free space and rerun the same command" in last
 
     # Nothing partial became visible: every committed shard is whole and holds exactly the ids its name says.
