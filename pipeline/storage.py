@@ -24,10 +24,9 @@ TMP_PREFIX = ".tmp-"
 
 # Object-store calls retry transient failures (5xx, throttling, dropped or refused connections) with
 # exponential backoff and jitter (botocore's standard mode), then fail: a run never hangs on a vanished
-# endpoint, and a brief outage costs nothing. s3fs retries a few error kinds on top, with its own backoff.
+# endpoint, and a brief outage costs nothing. s3fs retries a few error kinds on top (S3FileSystem.retries).
 S3_OPTIONS = {
     "config_kwargs": {"retries": {"max_attempts": 4, "mode": "standard"}, "connect_timeout": 10, "read_timeout": 120},
-    "retries": 3,
 }
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 

@@ -46,6 +46,8 @@ class ChaosProxy:
             return fail
 
     def up(self) -> None:
+        if self._server is not None:
+            return
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
