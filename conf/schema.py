@@ -34,7 +34,9 @@ class ModelConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    name: Literal["sglang"] = "sglang"
+    # sglang: a real SGLang server per actor with the capture hook (patches/);
+    # hf: transformers in the actor's own process (actors/hf_engine.py): no server, the same shards.
+    name: Literal["sglang", "hf"] = "sglang"
     # "auto" uses GPUs when Ray sees any, else SGLang's CPU mode.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tp_size: int = Field(1, ge=1)
@@ -51,6 +53,8 @@ class EngineConfig(_Strict):
     # Prefill chunk size in tokens: bounds prefill memory (hybrid-attention models need chunking); the hook
     # assembles each request's chunks, so long prompts come out whole. -1 turns chunking off.
     chunked_prefill_size: int = Field(8192, ge=-1)
+    # hf engine only: padded tokens per forward (requests are batched by length up to this).
+    max_batch_tokens: int = Field(16384, ge=1)
     server_flags: tuple[str, ...] = ()
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)

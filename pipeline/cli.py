@@ -74,6 +74,23 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_audit(args) -> int:
+    from pipeline.audit import Thresholds, audit
+
+    samples = None if args.samples == "all" else int(args.samples)
+    report = audit(args.output, samples=samples, device=args.device, seed=args.seed, model=args.model,
+                   thresholds=Thresholds(args.min_mean_cosine, args.min_cosine))  # fmt: skip
+    print(report.text())
+    print(f"report: {report.output.rstrip('/')}/audit.json")
+    return 0 if report.ok else 1
+
+
+def _samples(value: str) -> str:
+    if value != "all" and not (value.isdigit() and int(value) > 0):
+        raise argparse.ArgumentTypeError("a positive number of samples, or `all`")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harvest", description="Hidden-state training data for EAGLE-3 draft models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,18 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="integrity scan of an output; exit code 0 only when every check holds")
     p.add_argument("output")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("audit", help="recompute random committed samples in float32 with transformers and compare")
+    p.add_argument("output")
+    p.add_argument("--samples", type=_samples, default="16", help="how many random samples, or `all` (default 16)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
+    p.add_argument("--model", help="the model directory, when it is not where the manifest says")
+    p.add_argument("--min-mean-cosine", type=float, default=0.9995, help="per sample and layer (default 0.9995)")
+    p.add_argument("--min-cosine", type=float, default=0.99, help="per token, per sample and layer (default 0.99)")
+    p.set_defaults(fn=cmd_audit)
     args = parser.parse_args(argv)
     _setup_logging()
     from conf import ConfigError
     from pipeline.budget import InsufficientSpace
+    from pipeline.audit import AuditError
     from pipeline.lock import OutputLocked
     from pipeline.manifest import SettingsMismatch
+    from pipeline.failures import failure_message
     from pipeline.preflight import PreflightError
     from pipeline.storage import redact
 
     try:
         return args.fn(args)
-    except (ConfigError, InsufficientSpace, SettingsMismatch, FileNotFoundError, PreflightError, OutputLocked) as e:
+    except (ConfigError, InsufficientSpace, SettingsMismatch, AuditError, FileNotFoundError, PreflightError, OutputLocked) as e:
         # Refusals with an actionable message: no traceback.
         print(f"harvest: {redact(str(e))}", file=sys.stderr)
         return 2
@@ -108,41 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("the run failed", exc_info=True)
         print(f"harvest: {failure_message(e)}", file=sys.stderr)
         return 1
-
-
-def root_cause(e: BaseException) -> BaseException:
-    """The innermost exception: through `raise ... from`, implicit context, and Ray's task errors (`.cause`)."""
-    seen: set[int] = set()
-    while id(e) not in seen:
-        seen.add(id(e))
-        cause = getattr(e, "cause", None)
-        nxt = cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
-        if nxt is None:
-            break
-        e = nxt
-    return e
-
-
-def failure_message(e: BaseException) -> str:
-    import errno
-
-    from pipeline.storage import redact
-
-    cause = root_cause(e)
-    if isinstance(cause, OSError) and cause.errno is not None:
-        # Not str(): an OSError that crossed from a Ray worker carries Ray's retry message as its filename.
-        text = f"[Errno {cause.errno}] {cause.strerror}"
-    else:
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-    what = f"{type(cause).__name__}: {text}"[:400]
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        hint = "the output's storage is full; free space and rerun the same command"
-    else:
-        hint = "fix the cause and rerun the same command"
-    return redact(
-        f"the run failed: {what}. Everything committed before the failure is kept (no partial shard is ever "
-        f"visible); {hint} to continue where it stopped."
-    )
 
 
 if __name__ == "__main__":

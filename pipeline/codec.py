@@ -85,6 +85,24 @@ class Codec:
         value[half : half + frame.size] = np.frombuffer(frame, np.uint8)
         return value[: half + frame.size]
 
+    def check(self, value, tokens: int, width: int) -> None:
+        """Raise CodecError unless the value decodes to [2, W, T]; nothing is kept (verify's fast path)."""
+        buf = pa.py_buffer(value)
+        n = tokens * width
+        if buf.size < n:
+            raise CodecError(f"stored value has {buf.size} bytes, fewer than the {n} of its low plane")
+        rest = buf.slice(n)
+        if self.encoding == "raw":
+            if rest.size != n:
+                raise CodecError(f"raw value has {buf.size} bytes, expected {2 * n}")
+            return
+        try:
+            hi = pa.Codec("zstd").decompress(rest, decompressed_size=n)
+        except (OSError, pa.ArrowException) as e:
+            raise CodecError(f"high plane does not decompress to {n} bytes: {e}") from None
+        if hi.size != n:
+            raise CodecError(f"high plane decompresses to {hi.size} bytes, expected {n}")
+
     def decode(self, value, tokens: int, width: int) -> np.ndarray:
         """A stored value -> byte planes [2, W, T] (uint8)."""
         buf = pa.py_buffer(value)

@@ -129,23 +129,39 @@ def _source_key(source: str):
 
 
 def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
-    engine = {
-        "spec_without_dump": {
-            "model_dir": plan.model_dir,
+    cpu_threads = cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors)
+    if cfg.engine.name == "hf":
+        from actors.hf_engine import HFEngine
+
+        engine_class = HFEngine
+        engine = {
+            "model_dir": str(plan.model_dir),
             "aux_layers": plan.layout.aux_layers,
-            "tp_size": cfg.engine.tp_size,
-            "chunked_prefill_size": cfg.engine.chunked_prefill_size,
-            "cpu": not plan.cuda,
-            "cpu_threads": cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors),
-            "extra_flags": tuple(cfg.engine.server_flags),
-            "startup_timeout_s": cfg.engine.startup_timeout_s,
-        },
-        "max_in_flight": cfg.engine.max_in_flight,
-        "request_timeout_s": cfg.engine.request_timeout_s,
-        "dump_timeout_s": cfg.engine.dump_timeout_s,
-    }
+            "device": "cuda" if plan.cuda else "cpu",
+            "max_batch_tokens": cfg.engine.max_batch_tokens,
+            "cpu_threads": cpu_threads,
+        }
+    else:
+        from actors.sglang_engine import SGLangEngine
+
+        engine_class = SGLangEngine
+        engine = {
+            "spec_without_dump": {
+                "model_dir": plan.model_dir,
+                "aux_layers": plan.layout.aux_layers,
+                "tp_size": cfg.engine.tp_size,
+                "chunked_prefill_size": cfg.engine.chunked_prefill_size,
+                "cpu": not plan.cuda,
+                "cpu_threads": cpu_threads,
+                "extra_flags": tuple(cfg.engine.server_flags),
+                "startup_timeout_s": cfg.engine.startup_timeout_s,
+            },
+            "max_in_flight": cfg.engine.max_in_flight,
+            "request_timeout_s": cfg.engine.request_timeout_s,
+            "dump_timeout_s": cfg.engine.dump_timeout_s,
+        }
     return dict(engine_kwargs=engine, layout=plan.layout, output_url=cfg.output.path, retries=cfg.extract.retries,
-                encode_threads=cfg.output.encode_threads)  # fmt: skip
+                encode_threads=cfg.output.encode_threads, engine_class=engine_class)  # fmt: skip
 
 
 def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
@@ -252,21 +268,27 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
 def provenance(cfg: HarvestConfig, plan: Plan) -> dict:
     from actors.sglang_server import ServerSpec, build_command
 
-    spec = ServerSpec(dump_dir=Path("DUMP_DIR"), **extractor_kwargs(cfg, plan)["engine_kwargs"]["spec_without_dump"])
-    flags = build_command(spec, port=0)[3:]  # without the interpreter and `-m sglang.launch_server`
-
-    def version(pkg: str) -> str:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
+    kwargs = extractor_kwargs(cfg, plan)["engine_kwargs"]
+    if cfg.engine.name == "hf":
+        engine = {"name": "hf", "version": f"transformers {_version('transformers')}", "device": kwargs["device"],
+                  "dtype": "bfloat16", "max_batch_tokens": kwargs["max_batch_tokens"]}  # fmt: skip
+    else:
+        spec = ServerSpec(dump_dir=Path("DUMP_DIR"), **kwargs["spec_without_dump"])
+        flags = build_command(spec, port=0)[3:]  # without the interpreter and `-m sglang.launch_server`
+        engine = {"name": "sglang", "version": _version("sglang"), "device": "cuda" if plan.cuda else "cpu", "flags": flags}
     return {
         "model": {"path": str(plan.model_dir), "name": plan.model_dir.name},
-        "engine": {"name": "sglang", "version": version("sglang"), "device": "cuda" if plan.cuda else "cpu", "flags": flags},
-        "software": {p: version(p) for p in ("hidden-harvest", "ray", "pyarrow", "torch", "transformers")},
+        "engine": engine,
+        "software": {p: _version(p) for p in ("hidden-harvest", "ray", "pyarrow", "torch", "transformers")},
         "aux_layers": list(plan.layout.aux_layers),
         "hidden_size": plan.layout.hidden_size,
         "aux_width": plan.layout.aux_width,
         "encoding": plan.layout.metadata(),
     }
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"

@@ -1,0 +1,376 @@
+"""The in-process transformers engine: the same contract as the SGLang engine, no server.
+
+`submit(key, ids)` is thread-safe and returns a Future of a RequestResult whose capture carries the same
+header and byte-plane body a SGLang dump does (actors/dump.py), so validation, encoding and shards are
+the same code for both engines. One worker thread owns the model:
+
+- Requests wait in one pool; each forward takes the longest waiting request and the next ones by length
+  up to `max_batch_tokens` padded tokens, so padding stays small. Sequences are right-padded and run
+  without an attention mask: under causal attention a real token only sees earlier positions, which are
+  all real, so its states are exactly those of the unpadded sequence. Padded positions are never copied.
+- Forward hooks on the chosen decoder layers and on the final norm keep only what is stored (aux layer
+  i = output of decoder layer i = HF `hidden_states[i+1]`; final = after the final norm, the SGLang path's
+  convention) and the base model runs without the LM head (SGLang computes logits for one position only).
+- On CUDA each request's states are split into the codec's byte planes and counted for non-finite values
+  on the device, then copied in one asynchronous transfer per batch into pinned memory on a side stream;
+  a finisher thread waits for that copy and resolves the futures while the next batch already runs. At
+  most two batches are in flight, which bounds device and pinned memory.
+
+`states(ids)` returns the float tensors instead of a capture: `harvest audit` uses it in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, as_completed
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.dump import Capture
+from actors.sglang_engine import RequestResult
+from actors.sglang_server import EngineDied
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class _Request:
+    key: str
+    ids: list[int]
+    future: Future
+    submitted: float
+
+
+def _ids_sha256(ids: np.ndarray) -> str:
+    # The same digest the SGLang hook publishes: sha256 over the int32 ids the forward really ran.
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest()
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model_dir: str, aux_layers: tuple[int, ...], device: str = "cpu", dtype: str = "bfloat16",
+                 max_batch_tokens: int = 8192, cpu_threads: int | None = None, capture: bool = True,
+                 attn_implementation: str = "sdpa"):  # fmt: skip
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        if capture and dtype != "bfloat16":
+            raise ValueError("captures are stored as bf16: a capturing engine runs in bfloat16 (float32 is for states())")
+        self.model_dir = str(model_dir)
+        self.aux_layers = tuple(aux_layers)
+        self.device = device
+        self.dtype = dtype
+        self.max_batch_tokens = max_batch_tokens
+        self.cpu_threads = cpu_threads
+        self.capture_states = capture
+        self.attn_implementation = attn_implementation
+        self._pending: list[_Request] = []
+        self._cv = threading.Condition()
+        self._closing = False
+        self._worker: threading.Thread | None = None
+        self._finisher: threading.Thread | None = None
+        self._done: queue.Queue = queue.Queue(maxsize=1)  # batches whose copy is in flight (CUDA)
+        self._failure: BaseException | None = None
+        self._recording = False
+        self.batches = 0
+        self.padded_tokens = 0
+        self.real_tokens = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> HFEngine:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if self.device == "cpu" and self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        t0 = time.monotonic()
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
+        )
+        self.base = model.get_decoder().to(self.device).eval()
+        self.vocab_size = int(model.config.vocab_size)
+        del model  # the LM head is never used
+        layers = getattr(self.base, "layers", None)
+        norm = getattr(self.base, "norm", None)
+        if layers is None or norm is None:
+            raise RuntimeError(f"{self.model_dir}: the hf engine needs a decoder with `.layers` and `.norm` (got {type(self.base).__name__})")
+        if self.aux_layers and max(self.aux_layers) >= len(layers):
+            raise ValueError(f"aux layers {list(self.aux_layers)}: the model has layers 0..{len(layers) - 1}")
+        self._taken: dict = {}
+        self._hooks = [layers[i].register_forward_hook(self._keep(("aux", k))) for k, i in enumerate(self.aux_layers)]
+        self._hooks.append(norm.register_forward_hook(self._keep(("last", 0))))
+        self.cuda = self.device.startswith("cuda")
+        if self.cuda:
+            self._copy_stream = torch.cuda.Stream()
+            self._finisher = threading.Thread(target=self._finish_loop, name="hf-engine-finish", daemon=True)
+            self._finisher.start()
+        self._worker = threading.Thread(target=self._work_loop, name="hf-engine-forward", daemon=True)
+        self._worker.start()
+        logger.info("hf engine: %s on %s in %s, loaded in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0)
+        return self
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=60)
+        if self._finisher is not None:
+            self._done.put(None)
+            self._finisher.join(timeout=60)
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._worker = self._finisher = None
+        with self._cv:
+            for r in self._pending:
+                r.future.set_result(RequestResult(r.key, None, "engine closed before the request ran", 0.0))
+            self._pending.clear()
+
+    def __enter__(self) -> HFEngine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def healthy(self) -> bool:
+        return self._worker is not None and self._worker.is_alive() and self._failure is None
+
+    def ensure_alive(self) -> None:
+        if not self.healthy():
+            raise EngineDied(f"hf engine worker is not running: {self._failure!r}")
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def submit(self, key: str, ids: list[int]) -> Future:
+        """Queue one request; the Future gives its RequestResult. Thread-safe."""
+        fut: Future = Future()
+        if self._worker is None:
+            raise EngineDied("engine is not started")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if not ids or bad is not None:
+            # Checked here: on CUDA an out-of-range embedding index is a device assert that ends the process.
+            why = "no tokens" if not ids else f"token id {bad} outside the vocabulary 0..{self.vocab_size - 1}"
+            fut.set_result(RequestResult(key, None, why, 0.0))
+            return fut
+        with self._cv:
+            self._pending.append(_Request(key, list(ids), fut, time.monotonic()))
+            self._cv.notify()
+        return fut
+
+    def capture(self, requests: list[tuple[str, list[int]]]) -> dict[str, RequestResult]:
+        """Every request at once; results keyed by the caller's key."""
+        futures = [self.submit(key, ids) for key, ids in requests]
+        return {r.key: r for r in (f.result() for f in as_completed(futures))}
+
+    def states(self, requests: list[list[int]]):
+        """(aux [T, K*H], last [T, H]) float tensors on the CPU for each sequence, in order (no capture format).
+
+        Runs on the caller's thread with the same batching and hooks; only for an engine started with
+        capture=False (so the worker never runs a forward at the same time)."""
+        import torch
+
+        if self.capture_states:
+            raise RuntimeError("states() needs an engine started with capture=False")
+        reqs = [_Request(str(i), list(ids), Future(), 0.0) for i, ids in enumerate(requests)]
+        out: list = [None] * len(reqs)
+        pool = sorted(reqs, key=lambda r: -len(r.ids))
+        while pool:
+            batch = self._take(pool)
+            self._forward(batch, record=True)
+            last = self._taken.pop(("last", 0))
+            aux = [self._taken.pop(("aux", k)) for k in range(len(self.aux_layers))]
+            for row, r in enumerate(batch):
+                n = len(r.ids)
+                a = torch.cat([x[row, :n] for x in aux], dim=-1) if aux else last[row, :0]
+                out[int(r.key)] = (a.float().cpu(), last[row, :n].float().cpu())
+        return out
+
+    # ---- the worker ------------------------------------------------------------------------------
+
+    def _keep(self, slot):
+        def hook(_module, _inputs, output):
+            if self._recording:
+                self._taken[slot] = _first(output)
+
+        return hook
+
+    def _take(self, pool: list[_Request]) -> list[_Request]:
+        """The longest waiting request and the next ones by length, up to max_batch_tokens padded tokens."""
+        pool.sort(key=lambda r: -len(r.ids))
+        longest = len(pool[0].ids)
+        n = max(1, min(len(pool), self.max_batch_tokens // max(longest, 1)))
+        batch, pool[:] = pool[:n], pool[n:]
+        return batch
+
+    def _forward(self, batch: list[_Request], record: bool):
+        import torch
+
+        longest = len(batch[0].ids)
+        ids = np.zeros((len(batch), longest), dtype=np.int64)
+        for row, r in enumerate(batch):
+            ids[row, : len(r.ids)] = r.ids
+        self.batches += 1
+        self.padded_tokens += ids.size
+        self.real_tokens += sum(len(r.ids) for r in batch)
+        self._recording = record
+        try:
+            with torch.inference_mode():
+                host_ids = torch.from_numpy(ids)
+                if self.cuda:
+                    # From pinned memory the copy is queued behind the previous batch's work; from pageable
+                    # memory CUDA would first wait for the device to go idle, and the next forward could
+                    # only be launched once the GPU had run dry.
+                    host_ids = host_ids.pin_memory()
+                self.base(input_ids=host_ids.to(self.device, non_blocking=True), use_cache=False)
+        finally:
+            self._recording = False
+        return ids
+
+    def _work_loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._pending and not self._closing:
+                        self._cv.wait()
+                    if self._closing:
+                        return
+                    batch = self._take(self._pending)
+                self._run(batch)
+        except BaseException as e:  # noqa: BLE001 - reported through ensure_alive and every waiting future
+            self._failure = e
+            logger.exception("hf engine worker failed")
+            with self._cv:
+                for r in self._pending:
+                    r.future.set_result(RequestResult(r.key, None, f"engine failed: {e!r}", 0.0))
+                self._pending.clear()
+
+    def _run(self, batch: list[_Request]) -> None:
+        import torch
+
+        try:
+            ids = self._forward(batch, record=self.capture_states)
+            if not self.capture_states:  # the bare baseline: the same batches and overlap, nothing kept
+                staged = self._bare(batch)
+            else:
+                staged = self._stage(batch, ids)
+        except torch.cuda.OutOfMemoryError as e:
+            self._taken.clear()
+            if len(batch) == 1:
+                batch[0].future.set_result(RequestResult(batch[0].key, None, f"out of memory: {e}", 0.0))
+                return
+            torch.cuda.empty_cache()
+            logger.warning("out of memory on a batch of %d; running its requests one by one", len(batch))
+            for r in batch:
+                self._run([r])
+            return
+        except Exception as e:  # noqa: BLE001 - one batch's failure is its requests' error rows
+            self._taken.clear()
+            for r in batch:
+                r.future.set_result(RequestResult(r.key, None, f"forward failed: {type(e).__name__}: {e}", 0.0))
+            return
+        if self.cuda:
+            self._done.put(staged)  # blocks while the previous batch's copy is still pending: two in flight
+        elif self.capture_states:
+            self._resolve(*staged)
+        else:
+            self._resolve_bare(batch)
+
+    def _bare(self, batch: list[_Request]):
+        if not self.cuda:
+            return None
+        import torch
+
+        done = torch.cuda.Event()
+        done.record()
+        return batch, done
+
+    def _resolve_bare(self, batch: list[_Request]) -> None:
+        now = time.monotonic()
+        for r in batch:
+            r.future.set_result(RequestResult(r.key, None, None, now - r.submitted))
+
+    def _stage(self, batch: list[_Request], ids: np.ndarray):
+        """Byte planes [2, W, T] per request (aux, then last) in one buffer, plus the non-finite counts."""
+        import torch
+
+        aux = [self._taken.pop(("aux", k)) for k in range(len(self.aux_layers))]
+        last = self._taken.pop(("last", 0))
+        self._taken.clear()
+        h = last.shape[-1]
+        lengths = [len(r.ids) for r in batch]
+        w = len(aux) * h
+        sizes = [2 * n * (w + h) for n in lengths]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
+        # Non-finite values per position of the padded batch [B, T]; summed per request on the host over
+        # its real positions only (a device-side mask would need the lengths copied up: a sync point).
+        bad = (~torch.isfinite(last)).sum(-1, dtype=torch.int32)
+        for a in aux:
+            bad += (~torch.isfinite(a)).sum(-1, dtype=torch.int32)
+        for row, n in enumerate(lengths):
+            o = int(offsets[row])
+            cols = torch.cat([a[row, :n] for a in aux], dim=-1) if aux else last[row, :n, :0]
+            for part, width in ((cols, w), (last[row, :n], h)):
+                view = staging[o : o + 2 * n * width].view(2, width, n)
+                view.copy_(part.contiguous().view(torch.uint8).view(n, width, 2).permute(2, 1, 0))
+                o += 2 * n * width
+        if not self.cuda:
+            return batch, ids, staging.numpy(), offsets, bad.numpy(), (w, h)
+        host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
+        counts = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(staging, non_blocking=True)
+            counts.copy_(bad, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        # The staging tensors stay referenced (in this tuple) until the finisher has seen the copy end.
+        return batch, ids, host, offsets, counts, (w, h), done, (staging, bad)
+
+    def _finish_loop(self) -> None:
+        while True:
+            item = self._done.get()
+            if item is None:
+                return
+            batch, done = item[0], item[-2 if self.capture_states else -1]
+            try:
+                done.synchronize()
+                if not self.capture_states:
+                    self._resolve_bare(batch)
+                    continue
+                _, ids, host, offsets, counts, widths, _, _keep = item
+                self._resolve(batch, ids, host.numpy(), offsets, counts.numpy(), widths)
+            except Exception as e:  # noqa: BLE001
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_result(RequestResult(r.key, None, f"copy failed: {type(e).__name__}: {e}", 0.0))
+
+    def _resolve(self, batch, ids, body: np.ndarray, offsets, nonfinite, widths) -> None:
+        w, h = widths
+        now = time.monotonic()
+        for row, r in enumerate(batch):
+            n = len(r.ids)
+            header = {
+                "rid": r.key,
+                "num_tokens": n,
+                "prefix_len": 0,
+                "ids_sha256": _ids_sha256(ids[row, :n]),
+                "nonfinite": int(nonfinite[row, :n].sum()),
+                "aux_shape": [n, w],
+                "last_shape": [n, h],
+                "source_dtype": self.dtype,
+            }
+            cap = Capture(header, None, 0, body=body[offsets[row] : offsets[row + 1]])
+            r.future.set_result(RequestResult(r.key, cap, None, now - r.submitted, r.key))

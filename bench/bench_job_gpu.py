@@ -1,0 +1,245 @@
+"""The whole job on GPUs against the bare engine, in one run (the hf engine: SGLang does not run everywhere).
+
+  python bench/bench_job_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b|tiny] [--prompts 1000]
+                                [--min-len 128] [--max-len 2048] [--batch-tokens 8192,16384,32768]
+                                [--actors 1,2] [--device cuda|cpu] [--out bench/results/job_gpu.json]
+
+1. A random-init model of the requested shape (8b: Llama-3-8B, H=4096, 32 layers, GQA 32/8, MLP 14336) with
+   the default model's tokenizer, saved as a normal HF model directory (bf16 safetensors).
+2. N pre-tokenized prompts, lengths uniform in [min-len, max-len] (fixed seed), written as `{"id", "input_ids"}`.
+3. bare: actors/hf_engine.HFEngine(capture=False) on the same prompts, every prompt submitted at once (so
+   its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens; the baseline
+   is the best.
+4. job: `python -m pipeline.cli run` with engine.name=hf, the best max_batch_tokens, num_actors = each of
+   --actors (one GPU each), the output on local disk; then `harvest verify` on it; the output is then removed.
+job ÷ bare uses the job's steady rate (manifest last_run: committed tokens between the first and the last
+committed shard; excludes Ray and model start-up); the end-to-end rate is recorded too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_model(work: Path, shape: str, tokenizer: Path, device: str) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = work / f"model-{shape}"
+    if (out / "config.json").is_file():
+        return out
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPES[shape])  # fmt: skip
+    t0 = time.monotonic()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    log(f"model {shape}: {sum(f.stat().st_size for f in out.glob('*.safetensors')) / 1e9:.1f} GB in {time.monotonic() - t0:.0f}s")
+    return out
+
+
+def make_prompts(work: Path, n: int, lo: int, hi: int, vocab: int) -> tuple[Path, list[list[int]]]:
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    prompts = [rng.integers(100, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+    path = work / "prompts.jsonl"
+    with path.open("w") as f:
+        for i, ids in enumerate(prompts):
+            f.write(json.dumps({"id": f"p{i:05d}", "input_ids": ids}) + "\n")
+    return path, prompts
+
+
+def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: str) -> dict:
+    from actors.hf_engine import HFEngine
+    from pipeline.job import default_aux_layers
+    from pipeline.model import num_hidden_layers
+
+    aux = default_aux_layers(num_hidden_layers(model_dir))
+    eng = HFEngine(str(model_dir), aux, device=device, capture=False, max_batch_tokens=max(sweep)).start()
+    tokens = sum(len(p) for p in prompts)
+    rates = {}
+    try:
+        eng.capture([(f"w{i}", p) for i, p in enumerate(prompts[:64])])  # warm-up: kernels, allocator
+        for b in sweep:
+            eng.max_batch_tokens = b
+            t0 = time.monotonic()
+            res = eng.capture([(f"p{i}", p) for i, p in enumerate(prompts)])
+            dt = time.monotonic() - t0
+            errors = [r.error for r in res.values() if r.error]
+            if errors:
+                raise RuntimeError(f"bare run failed: {errors[:3]}")
+            rates[b] = tokens / dt
+            log(f"bare max_batch_tokens={b}: {rates[b]:,.0f} tok/s ({dt:.1f}s, padding {eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f} so far)")
+    finally:
+        eng.close()
+    best = max(rates, key=rates.get)
+    return {"tok_s_by_max_batch_tokens": {str(k): round(v, 1) for k, v in rates.items()}, "best_max_batch_tokens": best,
+            "tok_s": round(rates[best], 1), "tokens": tokens, "aux_layers": list(aux)}  # fmt: skip
+
+
+def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, device: str, aux: list[int]) -> dict:
+    """The capturing engine alone, then with the actor's encoding (16 threads, no disk): where time goes."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from actors.hf_engine import HFEngine
+    from pipeline.codec import Codec
+
+    tokens = sum(len(p) for p in prompts)
+    out = {}
+    codec = Codec()
+    with HFEngine(str(model_dir), tuple(aux), device=device, max_batch_tokens=batch_tokens) as eng, ThreadPoolExecutor(16) as pool:
+        for r in as_completed([eng.submit(f"w{i}", p) for i, p in enumerate(prompts[:64])]):
+            r.result().capture.release()
+        for mode in ("capture", "capture+encode"):
+            t0 = time.monotonic()
+            jobs = []
+            for f in as_completed([eng.submit(f"p{i}", p) for i, p in enumerate(prompts)]):
+                cap = f.result().capture
+                if mode == "capture":
+                    cap.release()
+                else:
+                    jobs.append(pool.submit(lambda c: (c.encode(codec), c.release()), cap))
+            for j in jobs:
+                j.result()
+            out[mode] = round(tokens / (time.monotonic() - t0), 1)
+            log(f"engine {mode}: {out[mode]:,.0f} tok/s")
+    return out
+
+
+def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int, device: str, batch_size: int,
+        batches_per_actor: int) -> dict:  # fmt: skip
+    out = work / f"out-{actors}"
+    shutil.rmtree(out, ignore_errors=True)
+    sets = [f"input.path={prompts}", f"model.path={model_dir}", f"output.path={out}", "engine.name=hf",
+            f"engine.device={device}", f"engine.num_actors={actors}", f"engine.max_batch_tokens={batch_tokens}",
+            f"engine.batches_per_actor={batches_per_actor}", f"extract.batch_size={batch_size}", "extract.max_tokens=4096",
+            "progress.interval_s=5"]  # fmt: skip
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [a for s in sets for a in ("--set", s)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    if proc.returncode != 0:
+        log(f"job failed ({proc.returncode}):\n{tail}")
+        return {"actors": actors, "failed": True, "returncode": proc.returncode, "log_tail": tail}
+    manifest = json.loads((out / "manifest.json").read_text())
+    lr, totals = manifest["last_run"], manifest["totals"]
+    t1 = time.monotonic()
+    ver = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify", str(out)], cwd=ROOT, capture_output=True, text=True)
+    verify_s = time.monotonic() - t1
+    result = {
+        "actors": actors,
+        "command": shlex.join(["harvest", "run", "conf/default.yaml"] + [a for s in sets for a in ("--set", s)]),
+        "tok_s": lr["steady_tokens_per_second"],
+        "tok_s_end_to_end": lr["tokens_per_second"],
+        "extract_seconds": lr["extract_seconds"],
+        "first_result_seconds": lr["first_result_seconds"],
+        "wall_seconds": round(wall, 1),
+        "samples_ok": totals["samples_ok"],
+        "errors": totals["errors"],
+        "tokens": totals["tokens"],
+        "bytes": totals["bytes"],
+        "shards": totals["shards"],
+        "exactly_once": totals["samples_ok"] == totals["input_rows"] and totals["accounted"] == totals["input_rows"],
+        "verify_passed": ver.returncode == 0,
+        "verify_seconds": round(verify_s, 1),
+        "verify_tail": ver.stdout[-600:],
+    }
+    log(f"job actors={actors}: steady {result['tok_s']:,.0f} tok/s, end to end {result['tok_s_end_to_end']:,.0f}; "
+        f"{totals['samples_ok']} ok {totals['errors']} errors; verify {'passed' if result['verify_passed'] else 'FAILED'}")  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--prompts", type=int, default=1000)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--batch-tokens", default="8192,16384,32768")
+    ap.add_argument("--batch-size", type=int, default=64, help="samples per job batch (one shard)")
+    ap.add_argument("--batches-per-actor", type=int, default=3)
+    ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
+    ap.add_argument("--actors", default="1")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "job_gpu.json")
+    args = ap.parse_args()
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    machine = "cpu"
+    if args.device == "cuda":
+        import torch
+
+        machine = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    model_dir = make_model(args.work, args.shape, args.tokenizer, args.device)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts_path, prompts = make_prompts(args.work, args.prompts, args.min_len, args.max_len, vocab)
+    result = {
+        "benchmark": "whole job (Ray Data, hf engine actors, validation, committed shards, verify) vs bare engine prefill",
+        "machine": machine,
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": shlex.join(["python", "bench/bench_job_gpu.py"] + sys.argv[1:]),
+        "shape": args.shape,
+        "model": json.loads((model_dir / "config.json").read_text()) | {"weights": "random init"},
+        "prompts": {"count": args.prompts, "min_len": args.min_len, "max_len": args.max_len, "tokens": sum(map(len, prompts))},
+        "job": [],
+    }
+
+    def save() -> None:  # after every stage: a run cut short still leaves what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    result["bare"] = base = bare(model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device)
+    save()
+    if args.engine_only:
+        result["engine_only"] = engine_only(model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"])
+        save()
+    for a in args.actors.split(","):
+        r = job(args.work, model_dir, prompts_path, int(a), base["best_max_batch_tokens"], args.device, args.batch_size,
+                args.batches_per_actor)  # fmt: skip
+        if not r.get("failed"):
+            r["ratio_vs_bare"] = round(r["tok_s"] / base["tok_s"], 3)
+            r["ratio_vs_bare_end_to_end"] = round(r["tok_s_end_to_end"] / base["tok_s"], 3)
+            one = next((x for x in result["job"] + [r] if x["actors"] == 1 and not x.get("failed")), None)
+            if one:
+                r["scaling"] = round(r["tok_s"] / one["tok_s"], 3)
+        result["job"].append(r)
+        save()
+    log(f"wrote {args.out}")
+    print(json.dumps({"bare_tok_s": base["tok_s"], "job": [{k: r.get(k) for k in ("actors", "tok_s", "ratio_vs_bare", "scaling", "verify_passed", "exactly_once")} for r in result["job"]]}))
+
+
+if __name__ == "__main__":
+    main()
