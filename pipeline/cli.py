@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -118,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging()
     from conf import ConfigError
-    from pipeline.budget import InsufficientSpace
     from pipeline.audit import AuditError
+    from pipeline.budget import InsufficientSpace
+    from pipeline.failures import failure_message
     from pipeline.lock import OutputLocked
     from pipeline.manifest import SettingsMismatch
-    from pipeline.failures import failure_message
     from pipeline.preflight import PreflightError
     from pipeline.storage import redact
 
@@ -135,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 -- a failure mid-run: one line that names the cause; details in the log
         logger.debug("the run failed", exc_info=True)
         print(f"harvest: {failure_message(e)}", file=sys.stderr)
-        return 1
+    # The failed run's frames hold its Ray Data executor in reference cycles, and through it the extractor
+    # actors and their servers: collect them now, so a process that lives on (a notebook, tests) gets them back.
+    gc.collect()
+    return 1
 
 
 if __name__ == "__main__":

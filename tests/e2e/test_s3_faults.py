@@ -20,6 +20,18 @@ REPO = Path(__file__).resolve().parents[2]
 SECRETS = ("hh-test-secret", "hh-test-key")
 
 
+def _wait_for_extractors_to_go(timeout_s: float = 90.0) -> None:
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "HiddenStateExtractor" in a.class_name]
+        if not alive:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{len(alive)} extractor actor(s) of the failed run still hold their CPUs")
+
+
 def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(ray_session, s3_chaos, e2e_input, tmp_path, capsys, caplog):
     import s3fs
 
@@ -69,6 +81,9 @@ def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(ray_session,
     committed = behind.glob("hh-chaos/run/shards/*.parquet", refresh=True)
     assert 1 <= len(committed) < 4
     assert not behind.glob("hh-chaos/run/shards/.tmp-*", refresh=True)
+
+    # The failed run's extractor actor (and the CPU it holds) is let go even though this process lives on.
+    _wait_for_extractors_to_go()
 
     # Run 2: the endpoint is back (still throwing some 503s): the rerun completes, each sample exactly once.
     proxy.error_rate = 0.1
