@@ -35,21 +35,33 @@ def expand_inputs(pattern: str) -> list[str]:
 
 
 def _lines(f: IO[bytes], limit: int):
-    """(line bytes or None when over `limit`, its length in bytes) for every line; memory bounded by `limit`."""
-    while True:
-        line = f.readline(limit + 1)
-        if not line:
-            return
-        if len(line) <= limit or line.endswith(b"\n"):
-            yield line, len(line)
-            continue
-        size = len(line)
-        while not line.endswith(b"\n"):  # skip the rest of an over-long line without keeping it
-            line = f.readline(_CHUNK)
-            if not line:
-                break
-            size += len(line)
-        yield None, size
+    """(line bytes or None when over `limit`, its length in bytes) for every line; memory bounded by `limit`.
+
+    Reads fixed-size chunks (object-store files have no readline(size)); a line over the limit is counted
+    and skipped, never held.
+    """
+    buf = bytearray()
+    skipped = -1  # bytes of the over-long line being skipped; -1 while the current line fits
+    while chunk := f.read(_CHUNK):
+        start = 0
+        while start < len(chunk):
+            nl = chunk.find(b"\n", start)
+            end = len(chunk) if nl < 0 else nl + 1
+            if skipped >= 0:
+                skipped += end - start
+            else:
+                buf += chunk[start:end]
+                if len(buf) > limit:
+                    skipped = len(buf)
+                    buf = bytearray()
+            start = end
+            if nl >= 0:
+                yield (None, skipped) if skipped >= 0 else (bytes(buf), len(buf))
+                buf, skipped = bytearray(), -1
+    if skipped >= 0:
+        yield None, skipped
+    elif buf:
+        yield bytes(buf), len(buf)
 
 
 def decode_line(raw: bytes | None, size: int, limit: int = MAX_LINE_BYTES) -> tuple[str, str]:

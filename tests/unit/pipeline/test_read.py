@@ -42,3 +42,13 @@ def test_an_empty_file_gives_no_rows(tmp_path):
 def test_a_pattern_that_matches_nothing_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="matches no file"):
         expand_inputs(str(tmp_path / "*.jsonl"))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_lines_split_the_same_whatever_the_read_size(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr("pipeline.read._CHUNK", chunk)
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b'{"text": "a"}\n' + b"q" * 40 + b"\n\n" + b'{"text": "b"}\n' + b"r" * 50)
+    rows = rows_of(f, limit=32)
+    assert [(r["source"].rsplit(":", 1)[1], r["line"], r["read_error"][:13]) for r in rows] == [
+        ("1", '{"text": "a"}\n', ""), ("2", "", "line is 41 by"), ("4", '{"text": "b"}\n', ""), ("5", "", "line is 50 by")]
