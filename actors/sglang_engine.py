@@ -39,15 +39,47 @@ class RequestResult:
     rid: str = ""
 
 
+DUMP_DIR_PREFIX = "hidden-harvest-"
+
+
 def default_dump_root() -> Path:
     # /dev/shm keeps dumps in memory: they live for milliseconds between the hook and the reader.
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+def make_dump_dir(root: Path) -> Path:
+    """A private (0700, unique) dump directory named after this process, so a later start can tell it is orphaned."""
+    return Path(tempfile.mkdtemp(prefix=f"{DUMP_DIR_PREFIX}{os.getpid()}-", dir=root))
+
+
+def remove_orphaned_dump_dirs(root: Path) -> list[Path]:
+    """Dump directories whose process is gone (killed with its server, or a host crash that kept /dev/shm).
+
+    The server's watchdog removes its directory when only the starter dies; this covers the rest. Only
+    this user's directories with the current naming (`hidden-harvest-<pid>-`) are considered.
+    """
+    removed = []
+    for d in root.glob(f"{DUMP_DIR_PREFIX}*-*"):
+        pid = d.name[len(DUMP_DIR_PREFIX) :].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or not d.is_dir() or d.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        except OSError:  # alive under another user, or gone meanwhile
+            continue
+    if removed:
+        logger.info("removed %d dump directories left by processes that are gone", len(removed))
+    return removed
+
+
 class SGLangEngine:
     def __init__(self, spec_without_dump: dict, max_in_flight: int, request_timeout_s: float, dump_timeout_s: float = 30.0):
-        self._dump_dir = Path(tempfile.mkdtemp(prefix="hidden-harvest-", dir=default_dump_root()))
+        remove_orphaned_dump_dirs(default_dump_root())
+        self._dump_dir = make_dump_dir(default_dump_root())
         self.spec = ServerSpec(dump_dir=self._dump_dir, **spec_without_dump)
         self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s

@@ -127,6 +127,12 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
     # The server's own watchdog (patches/) ends it when this process dies, whichever thread started it:
     # a Ray actor killed by force never runs its teardown.
     env["HIDDEN_HARVEST_PARENT_PID"] = str(os.getpid())
+    # Nothing of the server listens beyond 127.0.0.1: torch's rendezvous store would bind every interface.
+    env["HIDDEN_HARVEST_LOOPBACK"] = "1"
+    if not spec.cpu:
+        # One server is one node: the collective libraries' bootstrap sockets need no other interface.
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if spec.capture:
         env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
         env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX

@@ -24,6 +24,8 @@ class InputConfig(_Strict):
     # A path or glob, local or s3://; every match is read as JSONL.
     path: str
     id_field: str = "id"
+    # A longer line becomes an error row without being read into memory (no sample is near this size).
+    max_line_bytes: int = Field(64 * 2**20, ge=1024)
 
 
 class ModelConfig(_Strict):

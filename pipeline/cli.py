@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -20,6 +21,8 @@ def _init_ray(cfg) -> None:
     os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", str(max(1, int(cfg.progress.interval_s))))
     import ray
 
+    if ray.is_initialized():  # embedded in a process that already chose its cluster (tests, notebooks)
+        return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"log_to_driver": True}
     if address:
@@ -40,7 +43,7 @@ def cmd_run(args) -> int:
 
     cfg = load_config(args.config, args.set or [])
     _init_ray(cfg)
-    summary = run(cfg)
+    summary = run(cfg, retry_errors=args.retry_errors)
     t = summary["totals"]
     p = summary["this_run"]
     samples = t.get("samples", t["input_rows"])
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run the job")
     p.add_argument("config", help="a YAML file in conf/")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--retry-errors", action="store_true",
+                   help="run again the samples whose error was transient (engine/extract stage); parse and tokenize errors stay")  # fmt: skip
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("inspect", help="summarize an output (local dir or s3://)")
     p.add_argument("output")
@@ -117,16 +122,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging()
     from conf import ConfigError
-    from pipeline.budget import InsufficientSpace
     from pipeline.audit import AuditError
+    from pipeline.budget import InsufficientSpace
+    from pipeline.failures import failure_message
+    from pipeline.lock import OutputLocked
     from pipeline.manifest import SettingsMismatch
+    from pipeline.preflight import PreflightError
+    from pipeline.storage import redact
 
     try:
         return args.fn(args)
-    except (ConfigError, InsufficientSpace, SettingsMismatch, AuditError, FileNotFoundError) as e:
+    except (ConfigError, InsufficientSpace, SettingsMismatch, AuditError, FileNotFoundError, PreflightError, OutputLocked) as e:
         # Refusals with an actionable message: no traceback.
-        print(f"harvest: {e}", file=sys.stderr)
+        print(f"harvest: {redact(str(e))}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 -- a failure mid-run: one line that names the cause; details in the log
+        logger.debug("the run failed", exc_info=True)
+        print(f"harvest: {failure_message(e)}", file=sys.stderr)
+    # The failed run's frames hold its Ray Data executor in reference cycles, and through it the extractor
+    # actors and their servers: collect them now, so a process that lives on (a notebook, tests) gets them back.
+    gc.collect()
+    return 1
 
 
 if __name__ == "__main__":

@@ -20,12 +20,16 @@ import pyarrow as pa
 from conf import HarvestConfig
 from pipeline import model as model_lib
 from pipeline.budget import check_budget
-from pipeline.manifest import DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, write_manifest
+from pipeline.intake import TokenizeLines
+from pipeline.manifest import (
+    DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, reopen_transient_errors, write_manifest,
+)
+from pipeline.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.progress import Progress
 from pipeline.read import read_jsonl
 from pipeline.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
 from pipeline.storage import Store
-from pipeline.tokenize import Tokenize, fingerprint_tokenizer
+from pipeline.tokenize import TOKENIZED_SCHEMA, fingerprint_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +80,8 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
 def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
     import ray.data
 
-    return read_jsonl(cfg.input.path).map_batches(
-        Tokenize,
+    return read_jsonl(cfg.input.path, cfg.input.max_line_bytes).map_batches(
+        TokenizeLines,
         fn_constructor_kwargs=dict(
             model_dir=str(plan.model_dir), max_tokens=cfg.extract.max_tokens,
             overlength=cfg.extract.overlength, id_field=cfg.input.id_field,
@@ -99,7 +103,7 @@ def conversation_summary(index: pa.Table, policy: str) -> dict:
     ):
         if turns:
             per_row[source] = (turns, full, each)
-        unrendered.update(f.split(".")[-1] for f in missing.split(",") if f)
+        unrendered.update(f.split(".")[-1] for f in (missing or "").split(",") if f)
     chosen = Counter(t for t, _, _ in per_row.values())
     tokens_full = sum(f for _, f, _ in per_row.values())
     tokens_each = sum(e for _, _, e in per_row.values())
@@ -113,6 +117,14 @@ def conversation_summary(index: pa.Table, policy: str) -> dict:
         "tokens_full": tokens_full, "tokens_each": tokens_each, "tokens_chosen": tokens_chosen,
         "unrendered": dict(unrendered), "plan": plan,
     }  # fmt: skip
+
+
+def index_of(tokenized) -> pa.Table:
+    """The small columns of every tokenized row; an input of empty files gives an empty table, not an error."""
+    import ray
+
+    tables = [t for t in ray.get(tokenized.select_columns(list(INDEX_COLUMNS)).to_arrow_refs()) if t.num_rows]
+    return pa.concat_tables(tables) if tables else TOKENIZED_SCHEMA.empty_table().select(list(INDEX_COLUMNS))
 
 
 def committed_ids(store: Store) -> set[str]:
@@ -184,20 +196,38 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
                 encode_threads=cfg.output.encode_threads, engine_class=engine_class)  # fmt: skip
 
 
-def run(cfg: HarvestConfig) -> dict:
+def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
+    """The whole job; refuses (PreflightError, OutputLocked) before any extraction when it cannot work.
+
+    retry_errors: samples whose committed error is transient (engine/extract stage) run again.
+    """
     import ray
 
-    plan = make_plan(cfg, ray.cluster_resources().get("GPU", 0))
+    plan = plan_or_refuse(cfg, ray.cluster_resources().get("GPU", 0))
+    check_gpus(cfg, plan.cuda, cluster_gpus_per_node())
     store = Store(cfg.output.path)
+    with lock_output(store):
+        return _run_locked(cfg, plan, store, retry_errors)
+
+
+def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool) -> dict:
+    import ray.data
+
+    # A stage that raises (storage full or gone) fails the run with its own exception, not Ray Data's wrapper
+    # whose cause is lost on the way to the driver: the CLI names the real cause in its one line. Set before
+    # any dataset is built: a dataset keeps the context it was created with.
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     existing = read_manifest(store)
     check_settings(existing, plan.settings)
     store.clean_temporaries(SHARD_DIR)
     store.clean_temporaries(ERROR_DIR)
+    if retry_errors:
+        logger.info("--retry-errors: %d samples with a transient (engine/extract) error will run again", reopen_transient_errors(store))
     manifest = base_manifest(cfg.output.path, plan.settings, provenance(cfg, plan), cfg.model_dump(mode="json"))
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
 
     tokenized = tokenized_dataset(cfg, plan).materialize()
-    index = pa.concat_tables(ray.get(tokenized.select_columns(list(INDEX_COLUMNS)).to_arrow_refs()))
+    index = index_of(tokenized)
     samples = index.num_rows
     sources = index["source"].to_pylist()
     input_rows = len(set(sources))

@@ -13,7 +13,7 @@ import time
 import pyarrow.parquet as pq
 
 from pipeline.shards import FORMAT_VERSION, list_shards
-from pipeline.storage import Store
+from pipeline.storage import Store, redact
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +21,9 @@ MANIFEST = "manifest.json"
 ERROR_DIR = "errors"
 # Rewritten by every run from the input; not a record of committed samples (see job.committed_ids).
 DUPLICATES = f"{ERROR_DIR}/duplicates.jsonl"
+# Stages whose errors may pass on a second attempt (a server that died, a capture that failed validation);
+# parse and tokenize errors are properties of the input and never change.
+TRANSIENT_STAGES = ("engine", "extract")
 AUX_CONVENTION = "aux layer i = output of decoder layer i = HF hidden_states[i+1] (residual stream)"
 
 
@@ -36,7 +39,8 @@ def read_manifest(store: Store) -> dict | None:
 
 def write_manifest(store: Store, manifest: dict) -> None:
     manifest = dict(manifest, updated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    store.write_bytes(MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    # Credentials never reach the manifest, even inside a URL a user put in the config.
+    store.write_bytes(MANIFEST, (redact(json.dumps(manifest, indent=2, sort_keys=True)) + "\n").encode())
 
 
 def check_settings(existing: dict | None, settings: dict) -> None:
@@ -79,6 +83,28 @@ def committed_totals(store: Store) -> dict:
         "bytes": nbytes,
         "shards": len(shards),
     }
+
+
+def reopen_transient_errors(store: Store) -> int:
+    """Take the error rows of transient stages out of the committed error files, so their samples run again.
+
+    Each error file is rewritten whole (or removed): after a crash at any point a sample is either still in
+    errors/ or runs again, never both, and a sample that then succeeds is counted once, as ok.
+    """
+    reopened = 0
+    for rel in store.list(ERROR_DIR, ".jsonl"):
+        if rel == DUPLICATES:
+            continue
+        lines = [line for line in store.read_bytes(rel).decode().splitlines() if line.strip()]
+        keep = [line for line in lines if json.loads(line).get("stage") not in TRANSIENT_STAGES]
+        if len(keep) == len(lines):
+            continue
+        reopened += len(lines) - len(keep)
+        if keep:
+            store.write_bytes(rel, ("\n".join(keep) + "\n").encode())
+        else:
+            store.remove(rel)
+    return reopened
 
 
 def base_manifest(output: str, settings: dict, provenance: dict, config: dict) -> dict:

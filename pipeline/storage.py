@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import posixpath
+import re
 import tempfile
 import uuid
 from typing import IO, Iterator
@@ -21,11 +22,32 @@ logger = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
 
+# Object-store calls retry transient failures (5xx, throttling, dropped or refused connections) with
+# exponential backoff and jitter (botocore's standard mode), then fail: a run never hangs on a vanished
+# endpoint, and a brief outage costs nothing. s3fs retries a few error kinds on top (S3FileSystem.retries).
+S3_OPTIONS = {
+    "config_kwargs": {"retries": {"max_attempts": 4, "mode": "standard"}, "connect_timeout": 10, "read_timeout": 120},
+}
+_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def storage_options(url: str) -> dict:
+    return dict(S3_OPTIONS) if url.startswith(("s3://", "s3a://")) else {}
+
+
+def redact(text: str) -> str:
+    """Text with credentials blanked: values of the AWS secret variables and any user:password@ in a URL."""
+    for name in _SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return re.sub(r"://[^/@\s]+@", "://***@", text)
+
 
 class Store:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options(self.url))
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.local = "file" in protocols
 

@@ -52,10 +52,14 @@ def s3_endpoint():
     """
     from moto.server import ThreadedMotoServer
 
+    from s3_chaos import ChaosProxy
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
+    # Everything reaches moto through a proxy that forwards unchanged until a test makes it misbehave (s3_chaos).
+    proxy = ChaosProxy(f"http://{host}:{port}")
+    url = proxy.url
     env = {
         "AWS_ENDPOINT_URL": url,
         "AWS_ACCESS_KEY_ID": "hh-test-key",
@@ -64,13 +68,24 @@ def s3_endpoint():
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    _S3["proxy"], _S3["direct"] = proxy, f"http://{host}:{port}"
     yield url
+    proxy.close()
     server.stop()
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+_S3: dict = {}
+
+
+@pytest.fixture(scope="session")
+def s3_chaos(s3_endpoint):
+    """(the proxy every S3 call of the session goes through, moto's own URL for looking behind it)."""
+    return _S3["proxy"], _S3["direct"]
 
 
 @pytest.fixture(scope="session")

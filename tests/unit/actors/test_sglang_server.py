@@ -116,3 +116,41 @@ def test_env_hook_variables(monkeypatch):
     assert env["EXTRA"] == "1"
     assert "" not in env["PYTHONPATH"].split(os.pathsep)
     assert "SGLANG_USE_CPU_ENGINE" not in build_env(spec(cpu=False))
+
+
+def test_nothing_of_the_server_listens_beyond_loopback(monkeypatch):
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert value_after(build_command(spec(), port=1), "--host") == ["127.0.0.1"]
+    assert build_env(spec(cpu=True))["HIDDEN_HARVEST_LOOPBACK"] == "1"  # torch's rendezvous store (patches/)
+    gpu = build_env(spec(cpu=False))
+    assert gpu["NCCL_SOCKET_IFNAME"] == gpu["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_the_rendezvous_store_binds_loopback_only(hook_modules):
+    import datetime
+    import importlib
+    import sys
+
+    import psutil
+
+    sys.modules.pop("hidden_harvest_loopback", None)
+    loopback = importlib.import_module("hidden_harvest_loopback")
+    import torch.distributed  # noqa: F401 -- `torch.distributed.rendezvous` the attribute is a function; take the module
+
+    rdzv = sys.modules["torch.distributed.rendezvous"]
+
+    original = rdzv._create_c10d_store
+    try:
+        loopback.install_import_hook()
+        from tests_support import free_ports
+
+        port = free_ports(1)[0]
+        store = rdzv._create_c10d_store("127.0.0.1", port, 0, 1, datetime.timedelta(seconds=10))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        assert ("127.0.0.1", port) in listening and not [a for a in listening if a[1] == port and a[0] != "127.0.0.1"]
+        del store
+    finally:
+        rdzv._create_c10d_store = original

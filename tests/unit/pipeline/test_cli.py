@@ -15,3 +15,34 @@ def test_missing_config_file_is_refused(capsys):
 def test_verify_of_a_directory_without_manifest_fails(tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 1
     assert "no manifest.json" in capsys.readouterr().out
+
+
+def test_a_failure_inside_ray_is_one_line_naming_its_root_cause():
+    import errno
+
+    from pipeline.failures import failure_message, root_cause
+
+    class TaskError(RuntimeError):  # Ray's task errors carry the remote exception as `.cause`
+        def __init__(self, cause):
+            super().__init__("Traceback (most recent call last):\n  ...long remote traceback...")
+            self.cause = cause
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise TaskError(full)
+        except TaskError as inner:
+            raise RuntimeError("dataset failed") from inner
+    except RuntimeError as outer:
+        assert root_cause(outer) is full
+        msg = failure_message(outer)
+    assert msg.startswith("the run failed: OSError: [Errno 28] No space left on device.")
+    assert "storage is full" in msg and "\n" not in msg and "Traceback" not in msg
+
+
+def test_credentials_are_redacted_from_failure_messages(monkeypatch):
+    from pipeline.failures import failure_message
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
+    msg = failure_message(RuntimeError("signature for very-secret-value failed at s3://user:pw@host/x"))
+    assert "very-secret-value" not in msg and "user:pw" not in msg and "***" in msg

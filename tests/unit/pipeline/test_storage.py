@@ -74,3 +74,18 @@ def test_failure_keeps_previous_committed_version(store):
             raise RuntimeError("boom")
     assert store.read_bytes("out/f.bin") == b"v1"
     assert store.list("out") == ["out/f.bin"]
+
+
+def test_object_store_calls_retry_with_backoff_then_fail():
+    s3 = Store("s3://bucket/prefix")
+    assert s3.fs.config_kwargs["retries"] == {"max_attempts": 4, "mode": "standard"}
+    assert s3.fs.config_kwargs["connect_timeout"] <= 10
+
+
+def test_redact_blanks_credentials(monkeypatch):
+    from pipeline.storage import redact
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEKEY")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t/with+chars")
+    text = "key AKIAEXAMPLEKEY secret s3cr3t/with+chars url s3://me:pw@host/b"
+    assert redact(text) == "key *** secret *** url s3://***@host/b"

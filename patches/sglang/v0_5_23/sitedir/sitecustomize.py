@@ -7,6 +7,7 @@ Nothing happens unless hidden-harvest's variables are set, so a stray interprete
   that ends the server's process group when the process that started it is gone. It lives in the
   server, not in the starter, so any thread of the starter may start or restart a server.
 - HIDDEN_HARVEST_DUMP_DIR: installs the dump hook (hidden_harvest_hook.py).
+- HIDDEN_HARVEST_LOOPBACK: keeps torch.distributed's rendezvous store on 127.0.0.1 (hidden_harvest_loopback.py).
 """
 
 import os
@@ -20,3 +21,8 @@ if os.environ.get("HIDDEN_HARVEST_DUMP_DIR"):
     import hidden_harvest_hook
 
     hidden_harvest_hook.install_import_hook()
+
+if os.environ.get("HIDDEN_HARVEST_LOOPBACK"):
+    import hidden_harvest_loopback
+
+    hidden_harvest_loopback.install_import_hook()

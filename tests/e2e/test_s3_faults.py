@@ -1,0 +1,107 @@
+"""A flaky object store, then one that vanishes mid-run: retries absorb the errors, the vanished endpoint
+ends the run with one clear line after bounded retries, and a rerun completes with every sample exactly
+once. Credentials appear nowhere: not in what the job prints or logs, not in the output, not in Ray's logs.
+
+The job writes to S3 (moto's real HTTP server) through tests/s3_chaos.py's proxy, which answers a share of
+requests `503 SlowDown` and can close its port.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SECRETS = ("hh-test-secret", "hh-test-key")
+
+
+def _harvest(src, out) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", "run", str(REPO / "conf" / "default.yaml"), "--set", f"input.path={src}",
+            "--set", f"output.path={out}", "--set", "extract.batch_size=3", "--set", "engine.max_in_flight=4",
+            "--set", "engine.batches_per_actor=1", "--set", "ray.num_cpus=2", "--set", "ray.object_store_memory_mb=300"]  # fmt: skip
+
+
+def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(s3_chaos, e2e_input, tmp_path):
+    """Each run is a CLI process with its own local Ray (as a user runs it); the proxy lives in this process."""
+    import s3fs
+
+    from pipeline.manifest import read_manifest
+    from pipeline.shards import read_token_columns
+    from pipeline.storage import Store
+    from pipeline.verify import verify
+
+    proxy, direct = s3_chaos
+    behind = s3fs.S3FileSystem(endpoint_url=direct)  # looks at moto itself, never through the proxy
+    behind.mkdir("hh-chaos")
+    lines = [line for line in e2e_input.read_text().splitlines() if line.strip()][:12]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = "s3://hh-chaos/run"
+    # Ray's logs of both runs land here, to be searched for credentials (short: Ray's socket paths are bounded).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="hhray"))
+    env = dict(os.environ, RAY_ADDRESS="", RAY_TMPDIR=str(ray_tmp), AWS_ENDPOINT_URL=proxy.url)
+
+    # Run 1: a fifth of all requests fail with 503 from the start; once a shard is committed, the endpoint vanishes.
+    proxy.error_rate = 0.2
+    vanished_at: list[float] = []
+
+    def vanish_after_first_shard():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not behind.glob("hh-chaos/run/shards/*.parquet", refresh=True):
+            time.sleep(0.5)
+        vanished_at.append(time.monotonic())
+        proxy.down()
+
+    watcher = threading.Thread(target=vanish_after_first_shard, daemon=True)
+    watcher.start()
+    try:
+        first = subprocess.run(_harvest(src, out), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        watcher.join(timeout=5)
+        proxy.up()
+    ended_at = time.monotonic()
+    assert first.returncode == 1, first.stdout[-2000:] + first.stderr[-3000:]
+    err = first.stderr.strip().splitlines()[-1]  # above it: Ray's own log lines
+    assert err.startswith("harvest: the run failed: EndpointConnectionError: Could not connect to the endpoint URL"), err
+    assert "rerun the same command" in err
+    assert proxy.errors_served > 0  # retries absorbed these: shards were committed while they happened
+    assert vanished_at and ended_at - vanished_at[0] < 240, "retries must be bounded"
+    committed = behind.glob("hh-chaos/run/shards/*.parquet", refresh=True)
+    assert 1 <= len(committed) < 4
+    assert not behind.glob("hh-chaos/run/shards/.tmp-*", refresh=True)
+
+    # Run 2: the endpoint is back (still throwing some 503s): the rerun completes, each sample exactly once.
+    proxy.error_rate = 0.1
+    try:
+        second = subprocess.run(_harvest(src, out), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        proxy.error_rate = 0.0
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "already committed" in second.stderr and "taking over the lock" in second.stderr
+    totals = read_manifest(Store(out))["totals"]
+    assert totals["accounted"] == totals["input_rows"] == len(lines)
+    ids = [sid for t in read_token_columns(out) for sid in t["sample_id"].to_pylist()]
+    assert len(ids) == len(set(ids)) == totals["samples_ok"] >= 8
+    report = verify(out)
+    assert report.ok, report.problems
+
+    # No credential anywhere: printed or logged by the job, written to the output, or in Ray's logs of both runs.
+    texts = [first.stdout, first.stderr, second.stdout, second.stderr]
+    behind.invalidate_cache()
+    texts += [behind.cat_file(p).decode(errors="replace") for p in behind.find("hh-chaos/run")]
+    logs = [p for p in ray_tmp.rglob("*") if p.is_file() and "/logs/" in str(p) and p.stat().st_size < 50 * 2**20]
+    texts += [p.read_text(errors="replace") for p in logs]
+    assert len(logs) > 10
+    for secret in SECRETS:
+        assert os.environ["AWS_SECRET_ACCESS_KEY" if "secret" in secret else "AWS_ACCESS_KEY_ID"] == secret
+        assert not [t[:200] for t in texts if secret in t], f"{secret} leaked"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
