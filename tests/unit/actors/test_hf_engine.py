@@ -66,7 +66,8 @@ def _bf16(bits: np.ndarray) -> torch.Tensor:
 def test_captures_match_a_single_request_transformers_forward(model_dir):
     from bench.check_hf_engine import check
 
-    assert check(str(model_dir), "cpu") == []
+    # Mixed lengths in one engine (batched with right padding), each against its own forward.
+    assert check(str(model_dir), "cpu", lengths=(5, 40, 33, 120, 7, 64, 17)) == []
 
 
 def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir):
