@@ -79,8 +79,9 @@ class AuditReport:
     def worst(self) -> LayerResult | None:
         if not self.results:
             return None
-        # The one furthest below its thresholds (a low mean is worse than one bad token).
-        return min(self.results, key=lambda r: (r.mean_cosine - self.thresholds.mean_cosine, r.min_cosine))
+        # Among the failures when there are any (a sample failing on one bad token may have a higher mean
+        # than a passing one): the one furthest below its thresholds (a low mean is worse than one bad token).
+        return min(self.failures or self.results, key=lambda r: (r.mean_cosine - self.thresholds.mean_cosine, r.min_cosine))
 
     def per_layer(self) -> dict[str, dict]:
         out: dict[str, dict] = {}

@@ -1,0 +1,325 @@
+"""The in-process transformers engine on the default SmolLM2 model, on CPU: captures, batching, padding,
+non-finite values, bad ids, close(), and the float32 states() the audit uses."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actors.hf_engine import HFEngine, _ids_sha256, _Request
+from actors.sglang_server import EngineDied
+from actors.validate import check_capture
+
+AUX = (2, 15, 27)  # the job's default for SmolLM2 (30 layers)
+SAMPLE = Path(__file__).resolve().parents[3] / "conf" / "data" / "sample_conversations.jsonl"
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    with HFEngine(str(model_dir), AUX, max_batch_tokens=4096, cpu_threads=2) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def text_ids(model_dir) -> list[list[int]]:
+    """Real conversations of mixed lengths (the job's kind of input; random tokens are noisy against fp32)."""
+    from pipeline.tokenize import Tokenize
+
+    tok = Tokenize(str(model_dir), max_tokens=2048, overlength="reject")
+    lines = [line for line in SAMPLE.read_text().splitlines() if '"messages"' in line and '"bad-' not in line]
+    out = []
+    for i, line in enumerate(lines):
+        for r in tok.tokenize_line(f"x:{i}", line):
+            if r["status"] == "ok" and 40 <= len(r["input_ids"]) <= 400:
+                out.append(r["input_ids"])
+        if len(out) == 5:
+            break
+    assert len({len(x) for x in out}) == 5
+    return out
+
+
+def _submit_together(eng: HFEngine, requests: list[tuple[str, list[int]]], order: float = 0.0) -> dict:
+    """Every request is waiting before the worker takes any (the worker needs the lock to take)."""
+    with eng._cv:
+        futures = [eng.submit(key, ids, order=order) for key, ids in requests]
+    return {f.result(timeout=120).key: f.result() for f in futures}
+
+
+def _cos(a, b) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(torch.as_tensor(a).float(), torch.as_tensor(b).float(), dim=-1)
+
+
+def _bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16).float()
+
+
+# ---- captures against transformers -----------------------------------------------------------------
+
+
+def test_captures_match_a_single_request_transformers_forward(model_dir):
+    from bench.check_hf_engine import check
+
+    # Mixed lengths in one engine (batched with right padding), each against its own forward.
+    assert check(str(model_dir), "cpu", lengths=(5, 40, 33, 120, 7, 64, 17)) == []
+
+
+def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir):
+    h = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
+    rng = np.random.default_rng(1)
+    lengths = [3, 70, 12, 41, 1, 70, 29]
+    reqs = [(f"r{i}", rng.integers(0, engine.vocab_size, size=n).tolist()) for i, n in enumerate(lengths)]
+    before = engine.batches
+    res = _submit_together(engine, reqs)
+    forwards = engine.batches - before
+    assert forwards < len(reqs), f"{len(reqs)} requests of mixed lengths ran in {forwards} forwards"
+    for key, ids in reqs:
+        cap = res[key].capture
+        assert res[key].error is None and cap is not None
+        n = len(ids)
+        assert cap.header["num_tokens"] == n and cap.header["aux_shape"] == [n, len(AUX) * h] and cap.header["last_shape"] == [n, h]
+        assert cap.header["ids_sha256"] == _ids_sha256(np.array(ids))
+        aux, last = cap.bits()
+        assert aux.shape == (n, len(AUX) * h) and last.shape == (n, h)
+        assert check_capture(cap, ids, len(AUX) * h, h) is None
+    # A short request batched with long ones holds the states it has alone (no padding leaks in).
+    alone = _submit_together(engine, [("alone", reqs[2][1])])["alone"].capture
+    for got, ref in zip(res["r2"].capture.bits(), alone.bits()):
+        assert _cos(_bf16(got), _bf16(ref)).min().item() > 0.999
+
+
+# ---- non-finite values ------------------------------------------------------------------------------
+
+
+class _NaNAt:
+    """Forward hooks: remember each forward's input ids; write NaN into decoder layer `layer`'s output (the
+    final norm's for None) at (the row running `ids`, position `pos`). `pos` may be a padded position."""
+
+    def __init__(self, eng: HFEngine, layer: int, ids: list[int], pos: int):
+        self.ids, self.pos, self.hits = ids, pos, 0
+        self._rows = None
+        self._handles = [
+            eng.base.register_forward_pre_hook(self._see, with_kwargs=True),
+            (eng.base.norm if layer is None else eng.base.layers[layer]).register_forward_hook(self._poison),
+        ]
+
+    def _see(self, _module, _args, kwargs):
+        self._rows = kwargs["input_ids"].cpu()
+
+    def _poison(self, _module, _inputs, output):
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        n = len(self.ids)
+        want = torch.tensor(self.ids)
+        for row in range(self._rows.shape[0]):
+            if self._rows.shape[1] > self.pos and torch.equal(self._rows[row, :n], want):
+                hidden[row, self.pos, 7] = float("nan")
+                self.hits += 1
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _three(eng):
+    rng = np.random.default_rng(2)
+    return [(f"n{i}", rng.integers(0, eng.vocab_size, size=n).tolist()) for i, n in enumerate((50, 20, 35))]
+
+
+def test_a_nonfinite_value_is_counted_for_its_request_and_rejects_only_it(engine):
+    h = engine.base.config.hidden_size
+    reqs = _three(engine)
+    before = engine.batches
+    spy = _NaNAt(engine, AUX[1], reqs[1][1], pos=5)  # a real position of the 20-token request
+    try:
+        res = _submit_together(engine, reqs)
+    finally:
+        spy.remove()
+    assert engine.batches - before == 1 and spy.hits == 1  # all three in one forward, poisoned once
+    reasons = {k: check_capture(res[k].capture, ids, len(AUX) * h, h) for k, ids in reqs}
+    assert res["n1"].capture.header["nonfinite"] > 0
+    assert "non-finite" in reasons["n1"]
+    assert reasons["n0"] is None and reasons["n2"] is None
+    assert res["n0"].capture.header["nonfinite"] == res["n2"].capture.header["nonfinite"] == 0
+    # The count is exact: every non-finite value the capture holds. Layer 2 (before the NaN) is clean,
+    # layer 15 holds the one NaN written; later layers carry it on (attention spreads NaN across the row).
+    aux, last = (_bf16(b).numpy() for b in res["n1"].capture.bits())
+    bad = ~np.isfinite(aux)
+    assert res["n1"].capture.header["nonfinite"] == bad.sum() + (~np.isfinite(last)).sum()
+    assert not bad[:, :h].any()
+    assert np.argwhere(bad[:, h : 2 * h]).tolist() == [[5, 7]]
+
+
+def test_a_nonfinite_value_at_a_padded_position_is_not_counted(engine):
+    """NaN in the final state of a padded position of the short request's row: never counted, nobody rejected.
+
+    (Written after the final norm: written into a decoder layer's output, a NaN at a padded position would
+    reach the row's real positions through attention, where 0 * NaN is NaN: padding states are finite in
+    a real forward because they are computed from the real tokens, which are.)"""
+    h = engine.base.config.hidden_size
+    reqs = _three(engine)
+    before = engine.batches
+    spy = _NaNAt(engine, None, reqs[1][1], pos=30)  # the 20-token request's row, padded to 50
+    try:
+        res = _submit_together(engine, reqs)
+    finally:
+        spy.remove()
+    assert engine.batches - before == 1 and spy.hits == 1
+    for key, ids in reqs:
+        assert res[key].capture.header["nonfinite"] == 0, key
+        assert check_capture(res[key].capture, ids, len(AUX) * h, h) is None
+    # The same NaN at a real position of that row is counted (the hook does reach the stored tensor).
+    spy = _NaNAt(engine, None, reqs[1][1], pos=19)
+    try:
+        res = _submit_together(engine, reqs)
+    finally:
+        spy.remove()
+    assert spy.hits == 1 and res["n1"].capture.header["nonfinite"] == 1
+    assert res["n0"].capture.header["nonfinite"] == res["n2"].capture.header["nonfinite"] == 0
+
+
+# ---- bad ids ----------------------------------------------------------------------------------------
+
+
+def test_ids_outside_the_vocabulary_negative_or_empty_are_error_results(engine):
+    v = engine.vocab_size
+    reqs = [("empty", []), ("negative", [1, -1, 2]), ("too_big", [1, v, 2]), ("ok", [1, 2, 3, v - 1])]
+    res = engine.capture(reqs)
+    assert res["empty"].capture is None and "no tokens" in res["empty"].error
+    assert res["negative"].capture is None and "-1" in res["negative"].error
+    assert res["too_big"].capture is None and f"{v} outside the vocabulary" in res["too_big"].error
+    assert res["ok"].error is None and res["ok"].capture.header["num_tokens"] == 4
+    engine.ensure_alive()
+    assert engine.healthy()
+
+
+# ---- the batching policy ----------------------------------------------------------------------------
+
+
+def _req(key, n, order):
+    return _Request(key, [1] * n, Future(), 0.0, order)
+
+
+def _policy(max_batch_tokens) -> HFEngine:
+    return HFEngine("unused", AUX, max_batch_tokens=max_batch_tokens)  # _take needs no model
+
+
+def test_take_oldest_group_sets_the_length_and_the_longest_that_fit_fill_the_batch():
+    eng = _policy(200)
+    pool = [_req("a10", 10, 0), _req("a50", 50, 0), _req("b100", 100, 1), _req("b40", 40, 1), _req("b30", 30, 1),
+            _req("c45", 45, 2), _req("c50", 50, 2)]  # fmt: skip
+    batch = eng._take(pool)
+    # T = 50 (the longest of order 0); 200 // 50 = 4 requests; then the longest <= 50 from any group,
+    # equal lengths by order: c50 before c45, b40; a10 of the oldest group waits (shorter ones fill later).
+    assert [r.key for r in batch] == ["a50", "c50", "c45", "b40"]
+    assert [r.key for r in pool] == ["a10", "b100", "b30"]
+    assert [r.key for r in eng._take(pool)] == ["a10"]  # order 0 is still the oldest: its T is 10
+    assert [r.key for r in eng._take(pool)] == ["b100", "b30"]  # 200 // 100 = 2
+    assert pool == []
+
+
+def test_take_caps_the_batch_at_max_batch_tokens_over_the_longest():
+    eng = _policy(100)
+    pool = [_req(f"x{i}", 20 - i, 3) for i in range(10)]
+    batch = eng._take(pool)
+    assert [len(r.ids) for r in batch] == [20, 19, 18, 17, 16]  # 100 // 20 = 5, longest first
+    assert sum(len(batch[0].ids) for _ in batch) <= 100
+    # A request longer than max_batch_tokens still runs, alone.
+    pool = [_req("long", 500, 0), _req("short", 3, 0)]
+    assert [r.key for r in eng._take(pool)] == ["long"]
+    assert [r.key for r in eng._take(pool)] == ["short"]
+
+
+def test_requests_of_one_caller_batch_complete_before_a_later_batch_of_longer_requests(engine):
+    """Through the worker: the oldest order goes first even when a later order holds longer requests."""
+    rng = np.random.default_rng(3)
+    done: list[str] = []
+    with engine._cv:
+        futs = [engine.submit(f"late{i}", rng.integers(0, 1000, size=60).tolist(), order=2) for i in range(2)]
+        futs += [engine.submit(f"early{i}", rng.integers(0, 1000, size=n).tolist(), order=1) for i, n in enumerate((30, 8))]
+        for f in futs:
+            f.add_done_callback(lambda f: done.append(f.result().key))
+    for f in futs:
+        f.result(timeout=120)
+    assert set(done[:2]) == {"early0", "early1"}, done
+
+
+# ---- close() ----------------------------------------------------------------------------------------
+
+
+def test_close_resolves_requests_still_waiting(model_dir):
+    eng = HFEngine(str(model_dir), AUX, cpu_threads=2).start()
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(_module, _args):
+        entered.set()
+        assert go.wait(60)
+
+    handle = eng.base.register_forward_pre_hook(hold)
+    closer = None
+    try:
+        first = eng.submit("first", [1, 2, 3])
+        assert entered.wait(60)  # the worker is inside the first forward
+        waiting = [eng.submit(f"w{i}", [4, 5, 6, i + 7]) for i in range(3)]
+        closer = threading.Thread(target=eng.close)
+        closer.start()
+        deadline = time.monotonic() + 30
+        while not eng._closing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng._closing
+    finally:
+        go.set()
+        if closer is not None:
+            closer.join(60)
+        handle.remove()
+    assert not closer.is_alive()
+    assert first.result(timeout=1).error is None and first.result().capture.header["num_tokens"] == 3
+    for f in waiting:
+        r = f.result(timeout=1)
+        assert r.capture is None and r.error == "engine closed before the request ran"
+    assert not eng.healthy()
+    with pytest.raises(EngineDied, match="not started"):
+        eng.submit("after", [1])
+
+
+# ---- states() ---------------------------------------------------------------------------------------
+
+
+def test_float32_states_match_the_bf16_capture_within_bf16_noise(engine, model_dir, text_ids):
+    h = engine.base.config.hidden_size
+    caps = engine.capture([(str(i), ids) for i, ids in enumerate(text_ids)])
+    with HFEngine(str(model_dir), AUX, dtype="float32", capture=False, max_batch_tokens=1024, cpu_threads=2) as ref:
+        before = ref.batches
+        states = ref.states(text_ids)
+        assert ref.batches - before < len(text_ids)  # batched by length, results in request order
+        alone = ref.states([text_ids[0]])[0]
+        with pytest.raises(RuntimeError, match="capture=False"):
+            engine.states(text_ids)
+    worst = 1.0
+    for i, (ids, (aux, last)) in enumerate(zip(text_ids, states)):
+        n = len(ids)
+        assert aux.dtype == last.dtype == torch.float32
+        assert aux.shape == (n, len(AUX) * h) and last.shape == (n, h)
+        got_aux, got_last = caps[str(i)].capture.bits()
+        blocks = [(aux[:, k * h : (k + 1) * h], _bf16(got_aux)[:, k * h : (k + 1) * h]) for k in range(len(AUX))]
+        for ref_x, got in blocks + [(last, _bf16(got_last))]:
+            cos = _cos(got, ref_x)
+            # Real text: per-sample means reach 0.99953 (final state), single tokens ~0.98 (1 sample in 40):
+            # bounds with room for another CPU's kernels; a wrong row or layer is far below either.
+            assert cos.mean().item() >= 0.999 and cos.min().item() >= 0.97, (i, cos.mean().item(), cos.min().item())
+            worst = min(worst, cos.mean().item())
+    # float32 batched with padding equals float32 alone (up to summation order).
+    assert _cos(alone[0], states[0][0]).min().item() > 0.99999 and _cos(alone[1], states[0][1]).min().item() > 0.99999
+    print(f"states() float32 vs bf16 capture: worst per-sample mean cosine {worst:.6f}")
+
+
+def test_constructor_refuses_a_float32_capture_and_unknown_dtypes():
+    with pytest.raises(ValueError, match="bfloat16"):
+        HFEngine("unused", AUX, dtype="float32")
+    with pytest.raises(ValueError, match="dtype"):
+        HFEngine("unused", AUX, dtype="float16", capture=False)
