@@ -179,7 +179,7 @@ def pick_samples(store: Store, samples: int | None, seed: int) -> dict[str, list
 
 
 def audit(output: str, samples: int | None = DEFAULT_SAMPLES, device: str = "cpu", seed: int = 0,
-          thresholds: Thresholds = Thresholds(), model: str | None = None, max_batch_tokens: int = 8192) -> AuditReport:  # fmt: skip
+          thresholds: Thresholds = Thresholds(), model: str | None = None, max_batch_tokens: int | None = None) -> AuditReport:  # fmt: skip
     from actors.hf_engine import HFEngine
 
     t0 = time.monotonic()
@@ -191,8 +191,11 @@ def audit(output: str, samples: int | None = DEFAULT_SAMPLES, device: str = "cpu
     aux_layers = tuple(manifest["data_settings"]["aux_layers"])
     report = AuditReport(store.display(), str(model_dir), device, thresholds)
     chosen = pick_samples(store, samples, seed)
+    # On a CPU padding costs as much as real tokens and batching gains little: small batches (measured: half
+    # the padded tokens and 30 % less time on the test output); a GPU wants large ones.
+    batch_tokens = max_batch_tokens or (16384 if device.startswith("cuda") else 2048)
     engine = HFEngine(str(model_dir), aux_layers, device=device, dtype="float32", capture=False,
-                      max_batch_tokens=max_batch_tokens).start()  # fmt: skip
+                      max_batch_tokens=batch_tokens).start()  # fmt: skip
     try:
         for rel, rows in chosen.items():
             with store.fs.open(store.path(rel), "rb") as f:
