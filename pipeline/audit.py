@@ -42,6 +42,9 @@ class AuditError(RuntimeError):
 class Thresholds:
     mean_cosine: float = 0.9995  # per sample and layer: the mean over its tokens
     min_cosine: float = 0.99  # per sample and layer: the worst token
+    # per sample and layer: mean over tokens of | |stored| / |reference| - 1 |. Cosine is blind to scale;
+    # a layer stored at twice its size (or the pre-norm state stored as the final one) fails this.
+    max_norm_error: float = 0.02
 
 
 @dataclass
@@ -53,9 +56,10 @@ class LayerResult:
     min_cosine: float
     worst_token: int
     max_abs_diff: float
+    norm_error: float = 0.0  # mean over tokens of | |stored| / |reference| - 1 |
 
     def passes(self, t: Thresholds) -> bool:
-        return self.mean_cosine >= t.mean_cosine and self.min_cosine >= t.min_cosine
+        return self.mean_cosine >= t.mean_cosine and self.min_cosine >= t.min_cosine and self.norm_error <= t.max_norm_error
 
 
 @dataclass
@@ -81,18 +85,21 @@ class AuditReport:
             return None
         # Among the failures when there are any (a sample failing on one bad token may have a higher mean
         # than a passing one): the one furthest below its thresholds (a low mean is worse than one bad token).
-        return min(self.failures or self.results, key=lambda r: (r.mean_cosine - self.thresholds.mean_cosine, r.min_cosine))
+        t = self.thresholds
+        return min(self.failures or self.results,
+                   key=lambda r: (min(r.mean_cosine - t.mean_cosine, t.max_norm_error - r.norm_error), r.min_cosine))  # fmt: skip
 
     def per_layer(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for r in self.results:
-            d = out.setdefault(r.layer, {"tokens": 0, "sum": 0.0, "min_cosine": 1.0, "max_abs_diff": 0.0})
+            d = out.setdefault(r.layer, {"tokens": 0, "sum": 0.0, "min_cosine": 1.0, "max_abs_diff": 0.0, "max_norm_error": 0.0})
             d["tokens"] += r.tokens
             d["sum"] += r.mean_cosine * r.tokens
             d["min_cosine"] = min(d["min_cosine"], r.min_cosine)
             d["max_abs_diff"] = max(d["max_abs_diff"], r.max_abs_diff)
+            d["max_norm_error"] = max(d["max_norm_error"], r.norm_error)
         return {k: {"tokens": d["tokens"], "mean_cosine": d["sum"] / max(d["tokens"], 1), "min_cosine": d["min_cosine"],
-                    "max_abs_diff": d["max_abs_diff"]} for k, d in out.items()}  # fmt: skip
+                    "max_abs_diff": d["max_abs_diff"], "max_norm_error": d["max_norm_error"]} for k, d in out.items()}  # fmt: skip
 
     def to_json(self) -> dict:
         worst = self.worst()
@@ -116,17 +123,19 @@ class AuditReport:
         lines = [f"audit of {len(self.samples)} samples from {self.output} against {self.model} (float32, {self.device}):"]
         for layer, d in self.per_layer().items():
             lines.append(f"  {layer:>14}: mean cosine {d['mean_cosine']:.6f}, min {d['min_cosine']:.5f}, "
-                         f"max |diff| {d['max_abs_diff']:.4g} over {d['tokens']:,} tokens")  # fmt: skip
+                         f"max |diff| {d['max_abs_diff']:.4g}, norm error <= {d['max_norm_error']:.4f} over {d['tokens']:,} tokens")  # fmt: skip
         worst = self.worst()
         t = self.thresholds
         if self.ok:
-            lines.append(f"PASS: every sample and layer has mean cosine >= {t.mean_cosine} and min >= {t.min_cosine}")
+            lines.append(f"PASS: every sample and layer has mean cosine >= {t.mean_cosine}, min >= {t.min_cosine} "
+                         f"and norm error <= {t.max_norm_error}")  # fmt: skip
         elif worst is None:
             lines.append("FAIL: nothing to audit (no committed samples)")
         else:
-            lines.append(f"FAIL: {len(self.failures)} sample/layer pairs below mean >= {t.mean_cosine} / min >= {t.min_cosine}; "
-                         f"worst: sample {worst.sample_id!r}, {worst.layer}: mean {worst.mean_cosine:.5f}, "
-                         f"min {worst.min_cosine:.5f} at token {worst.worst_token}")  # fmt: skip
+            lines.append(f"FAIL: {len(self.failures)} sample/layer pairs outside mean cosine >= {t.mean_cosine} / min >= "
+                         f"{t.min_cosine} / norm error <= {t.max_norm_error}; worst: sample {worst.sample_id!r}, {worst.layer}: "
+                         f"mean {worst.mean_cosine:.5f}, min {worst.min_cosine:.5f} at token {worst.worst_token}, "
+                         f"norm error {worst.norm_error:.4f}")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -149,8 +158,11 @@ def compare(sample_id: str, layer: str, stored: np.ndarray, ref: np.ndarray) -> 
         return LayerResult(sample_id, layer, 0, 1.0, 1.0, 0, 0.0)
     worst = int(np.argmin(cos))
     diff = np.abs(a - b)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(nb == 0, np.where(na == 0, 1.0, np.inf), na / nb)
+    norm_error = float(np.nan_to_num(np.abs(ratio - 1.0), nan=np.inf).mean())
     return LayerResult(sample_id, layer, int(cos.size), float(cos.mean()), float(cos[worst]), worst,
-                       float(np.nan_to_num(diff, nan=np.inf).max()))  # fmt: skip
+                       float(np.nan_to_num(diff, nan=np.inf).max()), norm_error)  # fmt: skip
 
 
 def resolve_model_dir(manifest: dict, override: str | None) -> Path:

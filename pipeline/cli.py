@@ -83,7 +83,7 @@ def cmd_audit(args) -> int:
 
     samples = None if args.samples == "all" else int(args.samples)
     report = audit(args.output, samples=samples, device=args.device, seed=args.seed, model=args.model,
-                   thresholds=Thresholds(args.min_mean_cosine, args.min_cosine))  # fmt: skip
+                   thresholds=Thresholds(args.min_mean_cosine, args.min_cosine, args.max_norm_error))  # fmt: skip
     print(report.text())
     print(f"report: {report.output.rstrip('/')}/audit.json")
     return 0 if report.ok else 1
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the model directory, when it is not where the manifest says")
     p.add_argument("--min-mean-cosine", type=float, default=0.9995, help="per sample and layer (default 0.9995)")
     p.add_argument("--min-cosine", type=float, default=0.99, help="per token, per sample and layer (default 0.99)")
+    p.add_argument("--max-norm-error", type=float, default=0.02,
+                   help="per sample and layer, mean of | |stored|/|reference| - 1 | over tokens (default 0.02)")
     p.set_defaults(fn=cmd_audit)
     args = parser.parse_args(argv)
     _setup_logging()

@@ -54,3 +54,15 @@ def test_an_empty_report_fails():
 def test_cli_audit_of_a_directory_without_manifest_is_refused(tmp_path, capsys):
     assert main(["audit", str(tmp_path)]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_a_scaled_layer_passes_cosine_but_fails_the_norm_check():
+    x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
+    noisy = x * (1 + 1e-3 * np.random.default_rng(2).standard_normal(x.shape)).astype(np.float32)
+    ok = compare("s", "aux layer 2", noisy, x)
+    assert ok.passes(Thresholds()) and ok.norm_error < 0.01
+    doubled = compare("s", "aux layer 2", 2 * x, x)
+    assert doubled.mean_cosine == pytest.approx(1.0) and doubled.norm_error == pytest.approx(1.0)
+    assert not doubled.passes(Thresholds())
+    report = AuditReport("out", "model", "cpu", Thresholds(), samples=["s"], results=[ok, doubled])
+    assert report.worst() is doubled and "norm error 1.0000" in report.text()
