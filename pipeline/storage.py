@@ -8,6 +8,7 @@ Credentials and endpoints come from the standard AWS environment/config and are 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import posixpath
@@ -32,7 +33,9 @@ _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"
 
 
 def storage_options(url: str) -> dict:
-    return dict(S3_OPTIONS) if url.startswith(("s3://", "s3a://")) else {}
+    # A deep copy each time: botocore rewrites the retries dict it is given in place
+    # (max_attempts -> total_max_attempts), which would leak into every later filesystem.
+    return copy.deepcopy(S3_OPTIONS) if url.startswith(("s3://", "s3a://")) else {}
 
 
 def redact(text: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,9 @@ from pipeline.shards import open_shards
 from pipeline.storage import Store
 from pipeline.tokenize import Tokenize
 from pipeline.verify import verify
+
+# The shipped sample set (not imported from conftest: under a full run `conftest` names tests/unit's).
+SAMPLE_SET = Path(__file__).resolve().parents[2] / "conf" / "data" / "sample_conversations.jsonl"
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +28,9 @@ def _agentic_rows(sample_path, n=3):
 
 
 def test_each_gives_one_sample_per_turn_and_resumes(ray_session, make_config, tmp_path, model_dir):
-    from conftest import SAMPLE
-
     from pipeline.job import run
 
-    rows = _agentic_rows(SAMPLE)
+    rows = _agentic_rows(SAMPLE_SET)
     rows = [dict(r, id=r.get("id", f"row{i}")) for i, r in enumerate(rows)]
     lines = [json.dumps(r, ensure_ascii=False) for r in rows]
     path = tmp_path / "turns.jsonl"
