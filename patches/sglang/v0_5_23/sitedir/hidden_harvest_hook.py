@@ -10,12 +10,11 @@ SGLang-specific is here; what is done with the rows is hidden_harvest_publisher.
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.metadata
-import importlib.util
 import logging
 import os
-import sys
+
+from hidden_harvest_imports import patch_after_import
 
 PINNED_SGLANG_VERSION = "0.5.23"
 _TARGET_MODULE = "sglang.srt.layers.logits_processor"
@@ -97,29 +96,5 @@ def _patch(module) -> None:
     logger.info("hidden-harvest hook installed on %s.LogitsProcessor.forward, dumping to %s", _TARGET_MODULE, _publisher.dump_dir)
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Patches the target module right after it is first imported, in whichever process imports it."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 def install_import_hook() -> None:
-    if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    patch_after_import(_TARGET_MODULE, _patch)

@@ -9,11 +9,11 @@ Independent of the SGLang version: it touches only torch.distributed.rendezvous,
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import logging
 import socket
 import sys
+
+from hidden_harvest_imports import patch_after_import
 
 logger = logging.getLogger("hidden_harvest.loopback")
 
@@ -43,29 +43,8 @@ def _patch(module) -> None:
     module._create_c10d_store = create_c10d_store
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 def install_import_hook() -> None:
     if _TARGET_MODULE in sys.modules:
         _patch(sys.modules[_TARGET_MODULE])
-    elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    else:
+        patch_after_import(_TARGET_MODULE, _patch)
