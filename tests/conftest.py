@@ -143,6 +143,17 @@ def harvest_output(harvest_run) -> str:
     return str(harvest_run[0])
 
 
+@pytest.fixture
+def copy(harvest_run, tmp_path) -> Path:
+    """A private copy of the shared output, for tests that damage or rewrite it."""
+    import shutil
+
+    out, _ = harvest_run
+    dst = tmp_path / "copy"
+    shutil.copytree(out, dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def harvest_run_fp32(ray_session, e2e_input, tmp_path_factory):
     """The job with the server computing in float32 (bf16 only for storage), on three chats of the small input."""

@@ -16,23 +16,18 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests_support import harvest_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _harvest(input_path, out, *extra) -> list[str]:
-    return [
-        sys.executable, "-m", "pipeline.cli", "run", str(REPO / "conf" / "default.yaml"),
-        "--set", f"input.path={input_path}", "--set", f"output.path={out}",
-        "--set", "extract.batch_size=3", "--set", "engine.max_in_flight=4", "--set", "engine.batches_per_actor=1",
-        "--set", "progress.interval_s=2", "--set", "ray.num_cpus=2", "--set", "ray.object_store_memory_mb=300", *extra,
-    ]  # fmt: skip
+    return harvest_command(input_path, out, "--set", "extract.batch_size=3", "--set", "engine.batches_per_actor=1", *extra)
 
 
 def _descendants(pid: int, needle: str):

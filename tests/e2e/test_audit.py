@@ -4,7 +4,6 @@ stored states were corrupted on purpose (still decoding, so `harvest verify` pas
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import numpy as np
@@ -19,14 +18,6 @@ from pipeline.storage import Store
 from pipeline.verify import verify
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def copy(harvest_run, tmp_path):
-    out, _ = harvest_run
-    dst = tmp_path / "copy"
-    shutil.copytree(out, dst)
-    return dst
 
 
 def _report(out) -> dict:

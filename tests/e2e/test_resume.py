@@ -6,11 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests_support import harvest_command
 
 from pipeline.manifest import SettingsMismatch, read_manifest
 from pipeline.shards import open_shards
@@ -22,12 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _harvest(input_path, out, *sets) -> list[str]:
-    return [
-        sys.executable, "-m", "pipeline.cli", "run", str(REPO / "conf" / "default.yaml"),
-        "--set", f"input.path={input_path}", "--set", f"output.path={out}",
-        "--set", "extract.batch_size=4", "--set", "engine.max_in_flight=4", "--set", "progress.interval_s=2",
-        "--set", "ray.num_cpus=2", "--set", "ray.object_store_memory_mb=300", *sets,
-    ]  # fmt: skip
+    return harvest_command(input_path, out, "--set", "extract.batch_size=4", *sets)
 
 
 def test_sigkill_then_rerun_is_exactly_once(e2e_input, tmp_path):

@@ -13,14 +13,6 @@ from pipeline.verify import verify
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def copy(harvest_run, tmp_path):
-    out, _ = harvest_run
-    dst = tmp_path / "copy"
-    shutil.copytree(out, dst)
-    return dst
-
-
 def _harvest_verify(path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", "verify", str(path)], capture_output=True, text=True)
 
