@@ -47,6 +47,7 @@ RESULT_SCHEMA = pa.schema(
         ("latency_s", pa.float64()),
         ("actor", pa.string()),  # host:pid of the actor that decided the sample (balance across actors)
         ("engine_ready_unix", pa.float64()),  # when that actor's engine had started (rates after start-up)
+        ("batch_started_unix", pa.float64()),  # when this batch reached the actor (dispatch gaps)
     ]
 )
 
@@ -79,6 +80,7 @@ class HiddenStateExtractor:
         self.close()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        started = time.time()
         missing = [c for c in REQUIRED_COLUMNS if c not in batch.column_names]
         if missing:
             raise KeyError(f"HiddenStateExtractor needs columns {missing}, got {batch.column_names}")
@@ -89,7 +91,7 @@ class HiddenStateExtractor:
             results = self._commit(rows, failed, latency, shard)
         self.metrics.record(results)
         for r in results:
-            r.update(actor=self.actor, engine_ready_unix=self.ready_unix)
+            r.update(actor=self.actor, engine_ready_unix=self.ready_unix, batch_started_unix=started)
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
     def _commit(self, rows: list[dict], failed: dict, latency: dict, shard: ShardWriter) -> list[dict]:

@@ -2,7 +2,8 @@
 
   python bench/bench_job_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b|tiny] [--prompts 1000]
                                 [--min-len 128] [--max-len 2048] [--batch-tokens 8192,16384,32768]
-                                [--actors 1,2] [--device cuda|cpu] [--out bench/results/job_gpu.json]
+                                [--actors 1,2,1@/dev/shm/hh] [--disk-test-gb 8] [--device cuda|cpu]
+                                [--out bench/results/job_gpu.json]
 
 1. A random-init model of the requested shape (8b: Llama-3-8B, H=4096, 32 layers, GQA 32/8, MLP 14336) with
    the default model's tokenizer, saved as a normal HF model directory (bf16 safetensors).
@@ -11,7 +12,10 @@
    its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens; the baseline
    is the best.
 4. job: `python -m pipeline.cli run` with engine.name=hf, the best max_batch_tokens, num_actors = each of
-   --actors (one GPU each), the output on local disk; then `harvest verify` on it; the output is then removed.
+   --actors (one GPU each; `N@DIR` puts that run's output under DIR instead of --work), the output on local
+   disk; then `harvest verify` on it; the output is then removed. Scaling compares runs with the same DIR.
+5. --disk-test-gb: each output directory's own sustained write rate (4 writers, fdatasync every 256 MB), so a
+   job that waits on its disk can be told from one that is slow itself.
 job ÷ bare uses the job's rate after engine start (manifest last_run.tokens_per_second_after_engine_start:
 committed tokens from the moment the first actor's engine was up to the last commit; Ray and model start-up
 excluded, every batch included). The end-to-end and steady (first to last commit) rates are recorded too;
@@ -135,9 +139,38 @@ def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, de
     return out
 
 
+def disk_rate(root: Path, gb: float, writers: int = 4) -> dict:
+    """Sustained write rate into `root`: `writers` threads, fdatasync every 256 MB (as the shard writer does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root.mkdir(parents=True, exist_ok=True)
+    chunk = os.urandom(1 << 20) * 256  # incompressible, in case the disk compresses
+    per = max(1, int(gb * 4 / writers))  # 256 MB chunks per writer
+
+    def write(i: int) -> None:
+        path = root / f"disk-test-{i}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            for _ in range(per):
+                os.write(fd, chunk)
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+            path.unlink()
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(write, range(writers)))
+    dt = time.monotonic() - t0
+    total = per * writers * len(chunk)
+    log(f"disk {root}: {total / dt / 1e9:.2f} GB/s ({total / 1e9:.1f} GB in {dt:.1f}s, {writers} writers)")
+    return {"bytes": total, "seconds": round(dt, 2), "gb_per_s": round(total / dt / 1e9, 3), "writers": writers}
+
+
 def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int, device: str, batch_size: int,
         batches_per_actor: int) -> dict:  # fmt: skip
     out = work / f"out-{actors}"
+    out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
     sets = [f"input.path={prompts}", f"model.path={model_dir}", f"output.path={out}", "engine.name=hf",
             f"engine.device={device}", f"engine.num_actors={actors}", f"engine.max_batch_tokens={batch_tokens}",
@@ -158,6 +191,7 @@ def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: i
     verify_s = time.monotonic() - t1
     result = {
         "actors": actors,
+        "output_root": str(work),
         "command": shlex.join(["harvest", "run", "conf/default.yaml"] + [a for s in sets for a in ("--set", s)]),
         # From the first engine up to the last commit: every batch, no Ray or model start-up.
         "tok_s": lr["tokens_per_second_after_engine_start"],
@@ -177,7 +211,7 @@ def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: i
         "verify_seconds": round(verify_s, 1),
         "verify_tail": ver.stdout[-600:],
     }
-    log(f"job actors={actors}: steady {result['tok_s']:,.0f} tok/s, end to end {result['tok_s_end_to_end']:,.0f}; "
+    log(f"job actors={actors} under {work}: {result['tok_s']:,.0f} tok/s after engine start, end to end {result['tok_s_end_to_end']:,.0f}; "
         f"{totals['samples_ok']} ok {totals['errors']} errors; verify {'passed' if result['verify_passed'] else 'FAILED'}")  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
     return result
@@ -195,7 +229,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=128, help="samples per job batch (one shard)")
     ap.add_argument("--batches-per-actor", type=int, default=8)
     ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
-    ap.add_argument("--actors", default="1")
+    ap.add_argument("--actors", default="1", help="runs: N or N@DIR (that run's output under DIR), comma separated")
+    ap.add_argument("--disk-test-gb", type=float, default=0.0, help="first measure each output directory's write rate")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "job_gpu.json")
     args = ap.parse_args()
@@ -226,24 +261,29 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
+    runs = [(int(a.split("@")[0]), Path(a.split("@")[1]) if "@" in a else args.work) for a in args.actors.split(",")]
+    if args.disk_test_gb:
+        result["disk"] = {str(root): disk_rate(root, args.disk_test_gb) for root in dict.fromkeys(r for _, r in runs)}
+        save()
     result["bare"] = base = bare(model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device)
     save()
     if args.engine_only:
         result["engine_only"] = engine_only(model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"])
         save()
-    for a in args.actors.split(","):
-        r = job(args.work, model_dir, prompts_path, int(a), base["best_max_batch_tokens"], args.device, args.batch_size,
+    for actors, root in runs:
+        r = job(root, model_dir, prompts_path, actors, base["best_max_batch_tokens"], args.device, args.batch_size,
                 args.batches_per_actor)  # fmt: skip
         if not r.get("failed"):
             r["ratio_vs_bare"] = round(r["tok_s"] / base["tok_s"], 3)
             r["ratio_vs_bare_end_to_end"] = round(r["tok_s_end_to_end"] / base["tok_s"], 3)
-            one = next((x for x in result["job"] + [r] if x["actors"] == 1 and not x.get("failed")), None)
+            same_root = [x for x in result["job"] + [r] if x.get("output_root") == str(root) and not x.get("failed")]
+            one = next((x for x in same_root if x["actors"] == 1), None)
             if one:
                 r["scaling"] = round(r["tok_s"] / one["tok_s"], 3)
         result["job"].append(r)
         save()
     log(f"wrote {args.out}")
-    print(json.dumps({"bare_tok_s": base["tok_s"], "job": [{k: r.get(k) for k in ("actors", "tok_s", "ratio_vs_bare", "scaling", "verify_passed", "exactly_once")} for r in result["job"]]}))
+    print(json.dumps({"bare_tok_s": base["tok_s"], "job": [{k: r.get(k) for k in ("actors", "output_root", "tok_s", "ratio_vs_bare", "scaling", "verify_passed", "exactly_once")} for r in result["job"]]}))
 
 
 if __name__ == "__main__":

@@ -48,14 +48,19 @@ class Progress:
     engines_ready_unix: float | None = None
     last_result_unix: float = 0.0
 
-    def update_actors(self, actors, ready_unix, statuses, num_tokens) -> None:
-        for actor, ready, status, n in zip(actors, ready_unix, statuses, num_tokens):
+    def update_actors(self, actors, ready_unix, statuses, num_tokens, started_unix=None) -> None:
+        """`started_unix`: when each row's batch reached its actor; per actor, the gap from its engine up to
+        its first batch is kept (`first_batch_after_ready_s`): time a GPU sat ready with nothing to do."""
+        for i, (actor, ready, status, n) in enumerate(zip(actors, ready_unix, statuses, num_tokens)):
+            a = self.actors.setdefault(actor, {"samples": 0, "tokens": 0})
             if status == "ok":
-                a = self.actors.setdefault(actor, {"samples": 0, "tokens": 0})
                 a["samples"] += 1
                 a["tokens"] += n
             if ready and (self.engines_ready_unix is None or ready < self.engines_ready_unix):
                 self.engines_ready_unix = ready
+            if started_unix is not None and ready and started_unix[i]:
+                gap = round(max(0.0, started_unix[i] - ready), 3)
+                a["first_batch_after_ready_s"] = min(gap, a.get("first_batch_after_ready_s", gap))
         self.last_result_unix = time.time()
 
     def tokens_per_second_after_engine_start(self) -> float | None:

@@ -179,6 +179,14 @@ class ShardWriter:
                 write_batch_size=1,
             )  # fmt: skip
         self._writer.write_table(table, row_group_size=table.num_rows)
+        if self.store.local:
+            # Each row group goes to the disk as it is written. Left to the page cache, a shard's gigabytes
+            # stay dirty until the commit's fsync writes them all at once: several shards then commit
+            # together at the end of a run and the job waits on the disk while the GPU has nothing left.
+            # Written pages are dropped from the cache too: nothing reads them back from this process.
+            fd = self._file.fileno()
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.ids += [s.sample_id for s in self._pending]
         self.encoded_bytes += [s.nbytes for s in self._pending]
         self._pending, self._pending_bytes = [], 0

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.hf_engine import HFEngine, _ids_sha256, _Request
+from actors.hf_engine import MAX_PADDING, HFEngine, _ids_sha256, _Request
 from actors.sglang_server import EngineDied
 from actors.validate import check_capture
 
@@ -211,28 +211,40 @@ def _policy(max_batch_tokens) -> HFEngine:
 
 def test_take_oldest_group_sets_the_length_and_the_longest_that_fit_fill_the_batch():
     eng = _policy(200)
-    pool = [_req("a10", 10, 0), _req("a50", 50, 0), _req("b100", 100, 1), _req("b40", 40, 1), _req("b30", 30, 1),
-            _req("c45", 45, 2), _req("c50", 50, 2)]  # fmt: skip
+    pool = [_req("a10", 10, 0), _req("a50", 50, 0), _req("b100", 100, 1), _req("b49", 49, 1), _req("b30", 30, 1),
+            _req("c49", 49, 2), _req("c50", 50, 2)]  # fmt: skip
     batch = eng._take(pool)
     # T = 50 (the longest of order 0); 200 // 50 = 4 requests; then the longest <= 50 from any group,
-    # equal lengths by order: c50 before c45, b40; a10 of the oldest group waits (shorter ones fill later).
-    assert [r.key for r in batch] == ["a50", "c50", "c45", "b40"]
+    # equal lengths by order: b49 before c49; a10 of the oldest group waits (shorter ones fill later).
+    assert [r.key for r in batch] == ["a50", "c50", "b49", "c49"]
     assert [r.key for r in pool] == ["a10", "b100", "b30"]
     assert [r.key for r in eng._take(pool)] == ["a10"]  # order 0 is still the oldest: its T is 10
-    assert [r.key for r in eng._take(pool)] == ["b100", "b30"]  # 200 // 100 = 2
+    # 200 // 100 = 2 would fit b30, but 70 padded tokens on 130 real ones is past the padding cap.
+    assert [r.key for r in eng._take(pool)] == ["b100"]
+    assert [r.key for r in eng._take(pool)] == ["b30"]
     assert pool == []
 
 
 def test_take_caps_the_batch_at_max_batch_tokens_over_the_longest():
-    eng = _policy(100)
-    pool = [_req(f"x{i}", 20 - i, 3) for i in range(10)]
+    eng = _policy(1000)
+    pool = [_req(f"x{i}", 200 - i, 3) for i in range(10)]
     batch = eng._take(pool)
-    assert [len(r.ids) for r in batch] == [20, 19, 18, 17, 16]  # 100 // 20 = 5, longest first
-    assert sum(len(batch[0].ids) for _ in batch) <= 100
+    assert [len(r.ids) for r in batch] == [200, 199, 198, 197, 196]  # 1000 // 200 = 5, longest first
     # A request longer than max_batch_tokens still runs, alone.
-    pool = [_req("long", 500, 0), _req("short", 3, 0)]
+    pool = [_req("long", 5000, 0), _req("short", 3, 0)]
     assert [r.key for r in eng._take(pool)] == ["long"]
     assert [r.key for r in eng._take(pool)] == ["short"]
+
+
+def test_take_stops_filling_where_padding_would_pass_the_cap():
+    """Padding stays within MAX_PADDING of the real tokens, once the forward holds a quarter of the budget."""
+    eng = _policy(1000)
+    pool = [_req(k, n, 0) for k, n in (("p100", 100), ("p99", 99), ("p60", 60), ("p58", 58), ("p57", 57))]
+    # 100 + 99 pad 1; p60 would pad 40 (past 3 %) but the forward holds only 200 of 1000 // 4 = 250
+    # padded tokens, so it still goes in; p58 then stops the fill (300 >= 250).
+    assert [r.key for r in eng._take(pool)] == ["p100", "p99", "p60"]
+    assert [r.key for r in eng._take(pool)] == ["p58", "p57"]
+    assert MAX_PADDING == 0.03
 
 
 def test_requests_of_one_caller_batch_complete_before_a_later_batch_of_longer_requests(engine):

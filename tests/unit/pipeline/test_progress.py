@@ -82,7 +82,8 @@ def test_rate_after_engine_start_and_per_actor_shares(clock, monkeypatch):
     p.update_actors(["a:1", "b:2", "b:2"], [1002.0, 1000.0, 1000.0], statuses, tokens)
     wall.t = 1020.0
     p.update(["ok"], [150], [1])
-    p.update_actors(["a:1"], [1002.0], ["ok"], [150])
-    assert p.actors == {"a:1": {"samples": 2, "tokens": 250}, "b:2": {"samples": 1, "tokens": 50}}
+    p.update_actors(["a:1"], [1002.0], ["ok"], [150], [1003.5])
+    p.update_actors(["a:1"], [1002.0], ["ok"], [0], [1009.0])  # a later batch: the first one's gap stays
+    assert p.actors == {"a:1": {"samples": 3, "tokens": 250, "first_batch_after_ready_s": 1.5}, "b:2": {"samples": 1, "tokens": 50}}
     # 300 committed tokens from the first engine up (t=1000) to the last result (t=1020); errors add nothing.
     assert p.tokens_per_second_after_engine_start() == pytest.approx(15.0)

@@ -220,3 +220,22 @@ def test_shard_writer_abort_leaves_nothing(tmp_path):
             raise RuntimeError("the batch failed mid-way")
     assert os.listdir(store.path("shards")) == []
     assert ShardWriter(store, LAYOUT).commit() == ("", 0)  # no samples, no shard
+
+
+def test_shard_writer_flushes_each_row_group_to_the_disk(tmp_path, monkeypatch):
+    """A local shard's row groups reach the disk while it is built, so the commit's fsync finds them written."""
+    store = Store(str(tmp_path))
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        synced.append(os.fstat(fd).st_size)  # the file's size when this row group was flushed
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    writer = ShardWriter(store, LAYOUT, row_group_bytes=1)
+    for s in make_samples(3, seed=5):
+        writer.add(s.encoded())
+    assert len(synced) == 3 and synced == sorted(synced) and synced[0] > 0  # one flush per row group, growing
+    name, nbytes = writer.commit()
+    assert nbytes == os.path.getsize(store.path(name)) > synced[-1]  # the footer comes at commit
