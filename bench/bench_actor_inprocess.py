@@ -1,0 +1,117 @@
+"""The extractor stage in one process, without Ray, against the bare engine on the same prompts.
+
+  python bench/bench_actor_inprocess.py --model MODEL_DIR --prompts PROMPTS.jsonl --out-dir DIR
+                                        [--max-batch-tokens 65536] [--batch-size 128] [--calls 8]
+                                        [--device cuda] [--json bench/results/actor_inprocess.json]
+
+PROMPTS.jsonl: `{"id", "input_ids"}` per line (bench_job_gpu.py writes one). The same HiddenStateExtractor the
+job runs (capture, validation, encoding, committed shards under DIR) is called on `--calls` threads at once,
+as Ray Data calls it with engine.batches_per_actor, so the whole-job benchmark's loss can be split into
+what the actor itself costs and what Ray adds. Both engines are warmed up first; the engine's own timing
+(forward thread: forward, staging, idle) is reported with each rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+class _NoMetrics:
+    """Ray's metrics need a Ray worker; this run has none."""
+
+    def record(self, rows) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, required=True)
+    ap.add_argument("--out-dir", type=Path, required=True, help="where the extractor commits its shards (removed after)")
+    ap.add_argument("--max-batch-tokens", type=int, default=65536)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=8, help="extractor calls at once (engine.batches_per_actor)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "actor_inprocess.json")
+    args = ap.parse_args()
+
+    import pyarrow as pa
+
+    import actors.extractor as extractor
+    from actors.hf_engine import HFEngine
+    from pipeline import model as model_lib
+    from pipeline.job import default_aux_layers
+    from pipeline.shards import ShardLayout
+
+    extractor.ExtractorMetrics = _NoMetrics
+    prompts = [json.loads(line) for line in args.prompts.open()]
+    tokens = sum(len(p["input_ids"]) for p in prompts)
+    aux = default_aux_layers(model_lib.num_hidden_layers(args.model))
+    layout = ShardLayout(aux, model_lib.hidden_size(args.model))
+    warm = [(f"w{i}", p["input_ids"]) for i, p in enumerate(prompts[:32])]
+    result = {"benchmark": "extractor stage in-process (no Ray) vs the bare hf engine, same prompts",
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+              "command": shlex.join(["python", "bench/bench_actor_inprocess.py"] + sys.argv[1:]),
+              "prompts": len(prompts), "tokens": tokens, "max_batch_tokens": args.max_batch_tokens}  # fmt: skip
+    if args.device == "cuda":
+        import torch
+
+        result["machine"] = torch.cuda.get_device_name(0)
+
+    with HFEngine(str(args.model), aux, device=args.device, capture=False, max_batch_tokens=args.max_batch_tokens) as bare:
+        bare.capture(warm)
+        t0 = time.monotonic()
+        bare.capture([(p["id"], p["input_ids"]) for p in prompts])
+        result["bare"] = {"tok_s": round(tokens / (time.monotonic() - t0), 1), "engine": bare.stats()}
+    print("bare", json.dumps(result["bare"]), flush=True)
+
+    batches = [
+        pa.Table.from_pylist([{"sample_id": p["id"], "source": f"{args.prompts.name}:{i + j + 1}", "input_ids": p["input_ids"],
+                               "loss_mask": [1] * len(p["input_ids"]), "status": "ok", "stage": "", "reason": ""}
+                              for j, p in enumerate(prompts[i : i + args.batch_size])])  # fmt: skip
+        for i in range(0, len(prompts), args.batch_size)
+    ]
+    shutil.rmtree(args.out_dir, ignore_errors=True)
+    engine_kwargs = dict(model_dir=str(args.model), aux_layers=aux, device=args.device, max_batch_tokens=args.max_batch_tokens)
+    stage = extractor.HiddenStateExtractor(engine_kwargs, layout, str(args.out_dir), retries=0, engine_class=HFEngine)
+    try:
+        stage.engine.capture(warm)
+        for k in stage.engine.timing:
+            stage.engine.timing[k] = 0.0
+        finished: list[float] = []
+        t0 = time.monotonic()
+
+        def call(batch):
+            rows = stage(batch)
+            finished.append(round(time.monotonic() - t0, 2))
+            return rows
+
+        with ThreadPoolExecutor(args.calls) as pool:
+            rows = [r for t in pool.map(call, batches) for r in t.to_pylist()]
+        seconds = time.monotonic() - t0
+    finally:
+        stage.close()
+        shutil.rmtree(args.out_dir, ignore_errors=True)
+    ok = sum(r["status"] == "ok" for r in rows)
+    result["actor"] = {"tok_s": round(tokens / seconds, 1), "seconds": round(seconds, 2), "samples_ok": ok, "samples": len(prompts),
+                       "batches_done_at_s": sorted(finished), "engine": stage.engine.stats()}  # fmt: skip
+    result["ratio_vs_bare"] = round(result["actor"]["tok_s"] / result["bare"]["tok_s"], 3)
+    print("actor", json.dumps(result["actor"]), flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("tokens", "ratio_vs_bare")} | {"bare_tok_s": result["bare"]["tok_s"], "actor_tok_s": result["actor"]["tok_s"]}))
+
+
+if __name__ == "__main__":
+    main()
