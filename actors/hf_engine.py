@@ -4,8 +4,9 @@
 header and byte-plane body a SGLang dump does (actors/dump.py), so validation, encoding and shards are
 the same code for both engines. One worker thread owns the model:
 
-- Requests wait in one pool; each forward takes the longest waiting request and the next ones by length
-  up to `max_batch_tokens` padded tokens, so padding stays small. Sequences are right-padded and run
+- Requests wait in one pool; each forward takes the longest request of the oldest caller batch and the
+  next ones by length up to `max_batch_tokens` padded tokens, stopping where padding would pass 3 % of the
+  real tokens (`_take`). Sequences are right-padded and run
   without an attention mask: under causal attention a real token only sees earlier positions, which are
   all real, so its states are exactly those of the unpadded sequence. Padded positions are never copied.
 - Forward hooks on the chosen decoder layers and on the final norm keep only what is stored (aux layer
@@ -17,6 +18,8 @@ the same code for both engines. One worker thread owns the model:
   most two batches are in flight, which bounds device and pinned memory.
 
 `states(ids)` returns the float tensors instead of a capture: `harvest audit` uses it in float32.
+`stats()` says where the worker threads' time went (idle, forward, staging, waiting on copies); it is
+logged when the engine closes.
 """
 
 from __future__ import annotations

@@ -235,7 +235,10 @@ def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool
     dup_samples = sum(s in dups for s in sources)
     done = committed_ids(store)
     if dups:
-        body = "".join(json.dumps({"source": s, "status": "filtered", "stage": "dedup", "reason": r}) + "\n" for s, r in sorted(dups.items()))
+        # One line per skipped sample, like every other error file (a duplicated row may hold several turns).
+        skipped = sorted((s, sid) for sid, s in zip(index["sample_id"].to_pylist(), sources) if s in dups)
+        body = "".join(json.dumps({"sample_id": sid, "source": s, "status": "filtered", "stage": "dedup", "reason": dups[s]}, ensure_ascii=False) + "\n"
+                       for s, sid in skipped)  # fmt: skip
         store.write_bytes(DUPLICATES, body.encode())
     todo_mask = [s not in dups and sid not in done for sid, s in zip(index["sample_id"].to_pylist(), sources)]
     todo_rows = sum(todo_mask)

@@ -22,6 +22,9 @@ def test_every_input_row_is_accounted_for_once(harvest_run, e2e_input):
     assert t["input_rows"] == len(rows)
     assert t["samples_ok"] + t["errors"] + t["filtered"] == len(rows)
     assert t["filtered"] == 1  # the duplicated row
+    dups = [json.loads(line) for line in (out / "errors" / "duplicates.jsonl").read_text().splitlines()]
+    assert [(d["status"], d["stage"]) for d in dups] == [("filtered", "dedup")]
+    assert dups[0]["sample_id"] and dups[0]["sample_id"] in dups[0]["reason"]  # the id it repeats, as a field
     assert t["errors"] == 2  # the two bad- rows
     ids = [s["sample_id"] for s in open_shards(str(out), as_torch=False)]
     assert len(ids) == len(set(ids)) == t["samples_ok"]
