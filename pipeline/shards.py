@@ -185,8 +185,9 @@ class ShardWriter:
             # together at the end of a run and the job waits on the disk while the GPU has nothing left.
             # Written pages are dropped from the cache too: nothing reads them back from this process.
             fd = self._file.fileno()
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            getattr(os, "fdatasync", os.fsync)(fd)  # macOS has only fsync
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.ids += [s.sample_id for s in self._pending]
         self.encoded_bytes += [s.nbytes for s in self._pending]
         self._pending, self._pending_bytes = [], 0
