@@ -48,6 +48,7 @@ RESULT_SCHEMA = pa.schema(
         ("actor", pa.string()),  # host:pid of the actor that decided the sample (balance across actors)
         ("engine_ready_unix", pa.float64()),  # when that actor's engine had started (rates after start-up)
         ("batch_started_unix", pa.float64()),  # when this batch reached the actor (dispatch gaps)
+        ("engine_stats", pa.string()),  # the engine's counters so far as JSON, where it keeps them ("" otherwise)
     ]
 )
 
@@ -90,8 +91,10 @@ class HiddenStateExtractor:
             failed, latency = self._capture(todo, shard)
             results = self._commit(rows, failed, latency, shard)
         self.metrics.record(results)
+        stats = getattr(self.engine, "stats", None)
+        stats = json.dumps(stats()) if stats else ""
         for r in results:
-            r.update(actor=self.actor, engine_ready_unix=self.ready_unix, batch_started_unix=started)
+            r.update(actor=self.actor, engine_ready_unix=self.ready_unix, batch_started_unix=started, engine_stats=stats)
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
     def _commit(self, rows: list[dict], failed: dict, latency: dict, shard: ShardWriter) -> list[dict]:

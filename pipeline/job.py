@@ -316,7 +316,8 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
         statuses = batch["status"].to_pylist()
         progress.update(statuses, batch["num_tokens"].to_pylist(), batch["bytes"].to_pylist())
         progress.update_actors(batch["actor"].to_pylist(), batch["engine_ready_unix"].to_pylist(), statuses,
-                               batch["num_tokens"].to_pylist(), batch["batch_started_unix"].to_pylist())  # fmt: skip
+                               batch["num_tokens"].to_pylist(), batch["batch_started_unix"].to_pylist(),
+                               batch["engine_stats"].to_pylist())  # fmt: skip
         reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), statuses) if st != "ok")
         progress.maybe_log()
     progress.maybe_log(force=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -48,11 +50,18 @@ class Progress:
     engines_ready_unix: float | None = None
     last_result_unix: float = 0.0
 
-    def update_actors(self, actors, ready_unix, statuses, num_tokens, started_unix=None) -> None:
+    def update_actors(self, actors, ready_unix, statuses, num_tokens, started_unix=None, engine_stats=None) -> None:
         """`started_unix`: when each row's batch reached its actor; per actor, the gap from its engine up to
-        its first batch is kept (`first_batch_after_ready_s`): time a GPU sat ready with nothing to do."""
+        its first batch is kept (`first_batch_after_ready_s`): time a GPU sat ready with nothing to do.
+        `engine_stats`: the engine's cumulative counters (JSON) as of each row's batch; the latest is kept."""
+        parsed: dict[str, dict] = {}  # a batch's rows share one string
         for i, (actor, ready, status, n) in enumerate(zip(actors, ready_unix, statuses, num_tokens)):
             a = self.actors.setdefault(actor, {"samples": 0, "tokens": 0})
+            if engine_stats is not None and engine_stats[i]:
+                text = engine_stats[i]
+                stats = parsed[text] if text in parsed else parsed.setdefault(text, json.loads(text))
+                if stats.get("forwards", 0) >= a.get("engine", {}).get("forwards", 0):  # batches return out of order
+                    a["engine"] = stats
             if status == "ok":
                 a["samples"] += 1
                 a["tokens"] += n

@@ -110,5 +110,9 @@ def test_manifest_records_the_hf_engine_and_the_output_verifies(hf_run, capsys):
 
     assert engine["version"] == f"transformers {transformers.__version__}"
     assert manifest["status"] == "complete"
+    # Where the actor's engine spent its time comes back with the results: every committed token ran.
+    (actor,) = manifest["last_run"]["per_actor"].values()
+    assert actor["engine"]["forwards"] > 0 and actor["engine"]["real_tokens"] >= manifest["totals"]["tokens"]
+    assert actor["engine"]["padded_tokens"] >= actor["engine"]["real_tokens"] and actor["engine"]["forward_s"] > 0
     assert main(["verify", str(out)]) == 0
     assert "OK: every check holds" in capsys.readouterr().out

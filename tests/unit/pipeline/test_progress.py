@@ -1,3 +1,4 @@
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -85,5 +86,11 @@ def test_rate_after_engine_start_and_per_actor_shares(clock, monkeypatch):
     p.update_actors(["a:1"], [1002.0], ["ok"], [150], [1003.5])
     p.update_actors(["a:1"], [1002.0], ["ok"], [0], [1009.0])  # a later batch: the first one's gap stays
     assert p.actors == {"a:1": {"samples": 3, "tokens": 250, "first_batch_after_ready_s": 1.5}, "b:2": {"samples": 1, "tokens": 50}}
+    # Engine counters are cumulative: the latest wins, whatever order batches come back in.
+    later, earlier = json.dumps({"forwards": 9, "idle_s": 1.0}), json.dumps({"forwards": 4, "idle_s": 0.5})
+    p.update_actors(["b:2", "b:2"], [1000.0] * 2, ["error"] * 2, [0, 0], [1011.0] * 2, [later, later])
+    p.update_actors(["b:2"], [1000.0], ["error"], [0], [1010.5], [earlier])
+    p.update_actors(["b:2"], [1000.0], ["error"], [0], [1012.0], [""])  # an engine without counters
+    assert p.actors["b:2"]["engine"] == {"forwards": 9, "idle_s": 1.0}
     # 300 committed tokens from the first engine up (t=1000) to the last result (t=1020); errors add nothing.
     assert p.tokens_per_second_after_engine_start() == pytest.approx(15.0)
