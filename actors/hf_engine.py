@@ -17,6 +17,10 @@ the same code for both engines. One worker thread owns the model:
   a finisher thread waits for that copy and resolves the futures while the next batch already runs. At
   most two batches are in flight, which bounds device and pinned memory.
 
+- On CUDA, start() runs one full forward of `max_batch_tokens` before it returns (`_warm_up`): a size the
+  device cannot hold is refused at start, and the job's first batches do not pay for kernel loading and
+  memory pools growing.
+
 `states(ids)` returns the float tensors instead of a capture: `harvest audit` uses it in float32.
 `stats()` says where the worker threads' time went (idle, forward, staging, waiting on copies); it is
 logged when the engine closes.
@@ -70,7 +74,7 @@ class HFEngine:
 
     def __init__(self, model_dir: str, aux_layers: tuple[int, ...], device: str = "cpu", dtype: str = "bfloat16",
                  max_batch_tokens: int = 8192, cpu_threads: int | None = None, capture: bool = True,
-                 attn_implementation: str = "sdpa"):  # fmt: skip
+                 attn_implementation: str = "sdpa", warmup: bool | None = None):  # fmt: skip
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
         if capture and dtype != "bfloat16":
@@ -83,6 +87,7 @@ class HFEngine:
         self.cpu_threads = cpu_threads
         self.capture_states = capture
         self.attn_implementation = attn_implementation
+        self.warmup = warmup  # None: on CUDA only (see _warm_up)
         self._pending: list[_Request] = []
         self._cv = threading.Condition()
         self._closing = False
@@ -128,8 +133,39 @@ class HFEngine:
             self._finisher.start()
         self._worker = threading.Thread(target=self._work_loop, name="hf-engine-forward", daemon=True)
         self._worker.start()
-        logger.info("hf engine: %s on %s in %s, loaded in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0)
+        if self.cuda if self.warmup is None else self.warmup:
+            try:
+                self._warm_up()
+            except BaseException:
+                self.close()
+                raise
+        logger.info("hf engine: %s on %s in %s, ready in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0)
         return self
+
+    def _warm_up(self) -> None:
+        """One full forward of max_batch_tokens before the engine counts as started.
+
+        The device's kernels load, its memory pool and the pinned staging buffers grow to size, and a
+        max_batch_tokens the device cannot hold fails here, at start, instead of splitting every large
+        forward of a job (the out-of-memory fallback). SGLang's server warms up before it reports ready in
+        the same way, and the benchmarks time warmed engines on both sides. The counters start after it."""
+        length = min(self.max_batch_tokens, 2048)
+        n = max(1, self.max_batch_tokens // length)
+        with self._cv:  # queued at once, so the worker takes them as one forward
+            futures = [self.submit(f"warm-up-{i}", [i % self.vocab_size] * length, order=float("-inf")) for i in range(n)]
+        for f in futures:
+            res = f.result()
+            if res.capture is not None:
+                res.capture.release()
+            if res.error:
+                raise RuntimeError(f"hf engine warm-up ({n} x {length} tokens) failed: {res.error}")
+        if self.batches != 1:
+            raise RuntimeError(
+                f"engine.max_batch_tokens={self.max_batch_tokens} does not fit on {self.device}: a forward of {n} x {length} "
+                f"tokens ran out of memory; lower engine.max_batch_tokens"
+            )
+        self.batches = self.padded_tokens = self.real_tokens = 0
+        self.timing = dict.fromkeys(self.timing, 0.0)
 
     def stats(self) -> dict:
         """Counters so far: forwards, tokens (real and padded) and the forward/finisher threads' seconds."""

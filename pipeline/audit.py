@@ -206,8 +206,9 @@ def audit(output: str, samples: int | None = DEFAULT_SAMPLES, device: str = "cpu
     # On a CPU padding costs as much as real tokens and batching gains little: small batches (measured: half
     # the padded tokens and 30 % less time on the test output); a GPU wants large ones.
     batch_tokens = max_batch_tokens or (16384 if device.startswith("cuda") else 2048)
+    # No warm-up: an audit's batches are few, and one that does not fit is split by the engine anyway.
     engine = HFEngine(str(model_dir), aux_layers, device=device, dtype="float32", capture=False,
-                      max_batch_tokens=batch_tokens).start()  # fmt: skip
+                      max_batch_tokens=batch_tokens, warmup=False).start()  # fmt: skip
     try:
         for rel, rows in chosen.items():
             with store.fs.open(store.path(rel), "rb") as f:

@@ -261,6 +261,37 @@ def test_requests_of_one_caller_batch_complete_before_a_later_batch_of_longer_re
     assert set(done[:2]) == {"early0", "early1"}, done
 
 
+# ---- warm-up --------------------------------------------------------------------------------------
+
+
+def test_warm_up_runs_one_full_forward_and_counts_nothing(model_dir):
+    """On by default on CUDA only; forced here. One forward of max_batch_tokens, then counters from zero."""
+    with HFEngine(str(model_dir), AUX, max_batch_tokens=512, cpu_threads=2, warmup=True) as eng:
+        assert eng.stats()["forwards"] == 0 and eng.stats()["real_tokens"] == 0
+        res = eng.submit("a", list(range(1, 40))).result(timeout=120)
+        assert res.error is None and res.capture.header["num_tokens"] == 39
+        res.capture.release()
+        assert eng.stats()["forwards"] == 1 and eng.stats()["real_tokens"] == 39
+    assert HFEngine("unused", AUX).warmup is None  # decided at start: the device is known then
+
+
+def test_warm_up_refuses_a_max_batch_tokens_the_device_cannot_hold(model_dir, monkeypatch):
+    import torch
+
+    real = HFEngine._forward
+
+    def small_device(self, batch, record):  # any forward of more than one sequence runs out of memory
+        if len(batch) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, batch, record)
+
+    monkeypatch.setattr(HFEngine, "_forward", small_device)
+    eng = HFEngine(str(model_dir), AUX, max_batch_tokens=4096, cpu_threads=2, warmup=True)
+    with pytest.raises(RuntimeError, match=r"engine.max_batch_tokens=4096 does not fit .* lower engine.max_batch_tokens"):
+        eng.start()
+    assert not eng.healthy()  # the failed start closed what it had started
+
+
 # ---- close() ----------------------------------------------------------------------------------------
 
 
