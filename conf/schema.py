@@ -53,7 +53,8 @@ class EngineConfig(_Strict):
     # Prefill chunk size in tokens: bounds prefill memory (hybrid-attention models need chunking); the hook
     # assembles each request's chunks, so long prompts come out whole. -1 turns chunking off.
     chunked_prefill_size: int = Field(8192, ge=-1)
-    # hf engine only: padded tokens per forward (requests are batched by length up to this).
+    # hf engine only: padded tokens per forward (requests are batched by length up to this). On CUDA the
+    # engine runs one forward of this size at start, so a size the GPU cannot hold is refused there.
     max_batch_tokens: int = Field(16384, ge=1)
     server_flags: tuple[str, ...] = ()
     startup_timeout_s: float = Field(600.0, gt=0)
