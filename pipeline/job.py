@@ -22,7 +22,8 @@ from pipeline import model as model_lib
 from pipeline.budget import check_budget
 from pipeline.intake import TokenizeLines
 from pipeline.manifest import (
-    DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, read_manifest, reopen_transient_errors, write_manifest,
+    DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, error_files, error_lines, read_manifest,
+    reopen_transient_errors, write_manifest,
 )
 from pipeline.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.progress import Progress
@@ -132,10 +133,8 @@ def committed_ids(store: Store) -> set[str]:
     done: set[str] = set()
     for rel in list_shards(store):
         done.update(shard_sample_ids(store, rel))
-    for rel in store.list(ERROR_DIR, ".jsonl"):
-        if rel == DUPLICATES:
-            continue
-        done.update(json.loads(line)["sample_id"] for line in store.read_bytes(rel).decode().splitlines() if line.strip())
+    for rel in error_files(store):
+        done.update(json.loads(line)["sample_id"] for line in error_lines(store, rel))
     return done
 
 

@@ -57,6 +57,16 @@ def check_settings(existing: dict | None, settings: dict) -> None:
         )
 
 
+def error_files(store: Store) -> list[str]:
+    """The committed error files; not DUPLICATES, which each run rewrites from its input."""
+    return [rel for rel in store.list(ERROR_DIR, ".jsonl") if rel != DUPLICATES]
+
+
+def error_lines(store: Store, rel: str) -> list[str]:
+    """The rows of one error file, as JSON lines (blank lines skipped)."""
+    return [line for line in store.read_bytes(rel).decode().splitlines() if line.strip()]
+
+
 def committed_totals(store: Store) -> dict:
     """Totals from committed files only: shard footers and the num_tokens column, error files."""
     ok = tokens = nbytes = 0
@@ -68,13 +78,10 @@ def committed_totals(store: Store) -> dict:
         tokens += int(t["num_tokens"].to_numpy().sum()) if t.num_rows else 0
         nbytes += store.size(rel)
     counts = {"error": 0, "filtered": 0}
-    for rel in store.list(ERROR_DIR, ".jsonl"):
-        if rel == DUPLICATES:
-            continue
-        for line in store.read_bytes(rel).decode().splitlines():
-            if line.strip():
-                status = json.loads(line).get("status", "error")
-                counts[status] = counts.get(status, 0) + 1
+    for rel in error_files(store):
+        for line in error_lines(store, rel):
+            status = json.loads(line).get("status", "error")
+            counts[status] = counts.get(status, 0) + 1
     return {
         "samples_ok": ok,
         "errors": counts["error"],
@@ -92,10 +99,8 @@ def reopen_transient_errors(store: Store) -> int:
     errors/ or runs again, never both, and a sample that then succeeds is counted once, as ok.
     """
     reopened = 0
-    for rel in store.list(ERROR_DIR, ".jsonl"):
-        if rel == DUPLICATES:
-            continue
-        lines = [line for line in store.read_bytes(rel).decode().splitlines() if line.strip()]
+    for rel in error_files(store):
+        lines = error_lines(store, rel)
         keep = [line for line in lines if json.loads(line).get("stage") not in TRANSIENT_STAGES]
         if len(keep) == len(lines):
             continue

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.codec import Codec
-from pipeline.manifest import DUPLICATES, ERROR_DIR, read_manifest
+from pipeline.manifest import error_files, error_lines, read_manifest
 from pipeline.shards import hidden_bits, list_shards, read_layout, shard_name
 from pipeline.storage import Store
 
@@ -118,9 +118,8 @@ def verify(output: str) -> Report:
     if dups:
         report.problems.append(f"{len(dups)} sample_id(s) in more than one shard, e.g. {dups[:3]}")
     error_ids = set()
-    for rel in store.list(ERROR_DIR, ".jsonl"):
-        if rel != DUPLICATES:
-            error_ids.update(json.loads(line)["sample_id"] for line in store.read_bytes(rel).decode().splitlines() if line.strip())
+    for rel in error_files(store):
+        error_ids.update(json.loads(line)["sample_id"] for line in error_lines(store, rel))
     both = sorted(error_ids & set(ids))
     if both:
         report.problems.append(f"{len(both)} sample_id(s) both in a shard and in errors/, e.g. {both[:3]}")
