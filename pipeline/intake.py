@@ -8,11 +8,11 @@ becomes an error row for that line too, so one row can never abort the job or va
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import pyarrow as pa
 
+from pipeline.normalize import bytes_id
 from pipeline.tokenize import TOKENIZED_SCHEMA, Tokenize
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def error_row(sample_id: str, source: str, stage: str, reason: str) -> dict:
 
 
 def line_id(line: str) -> str:
-    return "h" + hashlib.sha256(line.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return bytes_id(line.encode("utf-8", "surrogatepass"))
 
 
 class TokenizeLines:

@@ -39,9 +39,14 @@ class Sample:
     tools: tuple[dict, ...] | None = None
 
 
+def bytes_id(data: bytes) -> str:
+    """The id of a row known only by its content: `h` + 24 hex digits of its SHA-256."""
+    return "h" + hashlib.sha256(data).hexdigest()[:24]
+
+
 def content_id(obj) -> str:
     canonical = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return "h" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
+    return bytes_id(canonical.encode())
 
 
 def _reasoning(m: dict, where: str) -> dict:
@@ -166,4 +171,4 @@ def row_id_fallback(line: str, id_field: str = "id") -> str:
             return str(row[id_field])
     except json.JSONDecodeError:
         pass
-    return "h" + hashlib.sha256(line.encode()).hexdigest()[:24]
+    return bytes_id(line.encode())

@@ -8,12 +8,12 @@ an error row in the tokenize stage instead of failing schema inference for the w
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import IO
 
 import fsspec
 
+from pipeline.normalize import bytes_id
 from pipeline.storage import storage_options
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def read_lines(item: dict, limit: int = MAX_LINE_BYTES) -> list[dict]:
                     continue
             text, error = decode_line(raw, size, limit)
             # Content id of what could not be read, so its error row is traceable and stable across reruns.
-            rid = "h" + hashlib.sha256(raw or f"{url}:{lineno}".encode()).hexdigest()[:24] if error else ""
+            rid = bytes_id(raw or f"{url}:{lineno}".encode()) if error else ""
             rows.append({"source": f"{url}:{lineno}", "line": text, "read_error": error, "read_id": rid})
     if not rows:
         logger.warning("input file %s holds no rows", url)
