@@ -26,6 +26,7 @@ import aiohttp
 
 from actors.dump import Capture, DumpError, dump_path, read_dump
 from actors.sglang_server import RID_PREFIX, EngineDied, SGLangServer, ServerSpec
+from pipeline.lock import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +64,12 @@ def remove_orphaned_dump_dirs(root: Path) -> list[Path]:
     for d in root.glob(f"{DUMP_DIR_PREFIX}*-*"):
         pid = d.name[len(DUMP_DIR_PREFIX) :].split("-", 1)[0]
         try:
-            if not pid.isdigit() or not d.is_dir() or d.stat().st_uid != os.getuid():
+            if not pid.isdigit() or not d.is_dir() or d.stat().st_uid != os.getuid() or pid_alive(int(pid)):
                 continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-        except OSError:  # alive under another user, or gone meanwhile
+        except OSError:  # gone meanwhile
             continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
     if removed:
         logger.info("removed %d dump directories left by processes that are gone", len(removed))
     return removed

@@ -36,7 +36,8 @@ class OutputLocked(RuntimeError):
     """Another run holds the output; the message names it."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host runs under `pid` (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -59,7 +60,7 @@ def stale_reason(holder: dict, now: float | None = None) -> str | None:
         return f"its lease expired {age - float(holder.get('lease_s', LEASE_S)):.0f}s ago"
     if holder.get("host") == socket.gethostname():
         pid = int(holder.get("pid", -1))
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return f"its process {pid} on this host is gone"
         if pid == os.getpid() and holder.get("run_id") not in _HELD:
             return "its run in this process has ended"
