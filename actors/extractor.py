@@ -91,10 +91,10 @@ class HiddenStateExtractor:
             failed, latency = self._capture(todo, shard)
             results = self._commit(rows, failed, latency, shard)
         self.metrics.record(results)
-        stats = getattr(self.engine, "stats", None)
-        stats = json.dumps(stats()) if stats else ""
+        counters = getattr(self.engine, "stats", None)  # the hf engine keeps them; the SGLang one does not
+        engine_stats = json.dumps(counters()) if counters else ""
         for r in results:
-            r.update(actor=self.actor, engine_ready_unix=self.ready_unix, batch_started_unix=started, engine_stats=stats)
+            r.update(actor=self.actor, engine_ready_unix=self.ready_unix, batch_started_unix=started, engine_stats=engine_stats)
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
     def _commit(self, rows: list[dict], failed: dict, latency: dict, shard: ShardWriter) -> list[dict]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import logging
 import time
 from dataclasses import dataclass, field
