@@ -272,9 +272,9 @@ class HFEngine:
         takes other batches' requests too, and on the H200 bench the first of 10 batches finished about
         halfway through.) Plain longest-first would leave every caller batch's shortest requests to the end,
         so all of them would finish together and the device would idle through their commits (a 30 % loss,
-        measured). Filling a forward to max_batch_tokens whatever the padding cost 6 % (32k) to 13 % (64k)
-        padded tokens on the H200 job's prompts, against 2-4 % for the bare engine; with the cap, 5.3 % at
-        64k (bench/results/job_h200.json)."""
+        measured). Filling a forward to max_batch_tokens whatever the padding cost 6.8 % padded tokens at 32k
+        on the H200 job's prompts (measured; 13 % at 64k in a simulation), against 2-4 % for the bare engine;
+        with the cap, 5.3 % at 64k, measured (bench/results/job_h200.json)."""
         oldest = min(r.order for r in pool)
         head = max((r for r in pool if r.order == oldest), key=lambda r: len(r.ids))
         longest = len(head.ids)
