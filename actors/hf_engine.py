@@ -9,11 +9,14 @@ the same code for both engines. One worker thread owns the model:
   real tokens (`_take`). Sequences are right-padded and run
   without an attention mask: under causal attention a real token only sees earlier positions, which are
   all real, so its states are exactly those of the unpadded sequence. Padded positions are never copied.
+- Nothing in a forward waits for the device, so the host launches the next forward while the device
+  runs this one: transformers' one readback per forward (its packed-sequence check) is answered by the
+  engine for its own rows (`_skip_packed_check`).
 - Forward hooks on the chosen decoder layers and on the final norm keep only what is stored (aux layer
   i = output of decoder layer i = HF `hidden_states[i+1]`; final = after the final norm, the SGLang path's
   convention) and the base model runs without the LM head (SGLang computes logits for one position only).
-- On CUDA each request's states are split into the codec's byte planes and counted for non-finite values
-  on the device, then copied in one asynchronous transfer per batch into pinned memory on a side stream;
+- On CUDA each request's states are split into the codec's byte planes (one transpose per layer for the
+  whole batch, then a copy per request) and counted for non-finite values on the device, then copied in one asynchronous transfer per batch into pinned memory on a side stream;
   a finisher thread waits for that copy and resolves the futures while the next batch already runs. At
   most two batches are in flight, which bounds device and pinned memory.
 
@@ -22,8 +25,9 @@ the same code for both engines. One worker thread owns the model:
   memory pools growing.
 
 `states(ids)` returns the float tensors instead of a capture: `harvest audit` uses it in float32.
-`stats()` says where the worker threads' time went (idle, forward, staging, waiting on copies); it is
-logged when the engine closes.
+`stats()` says where the worker threads' time went (idle, forward, staging, waiting on copies) and, on
+CUDA, the device's own (its forwards, the staging, the time between batches); it is logged when the
+engine closes.
 """
 
 from __future__ import annotations
@@ -67,6 +71,36 @@ def _first(output):
 
 # Most padded tokens a forward may carry, as a share of its real ones (see HFEngine._take).
 MAX_PADDING = 0.03
+# Below this share of max_batch_tokens a forward fills whatever the padding (see HFEngine._take).
+MIN_FILL = 0.125
+
+_unpacked = threading.local()  # set while this engine's forward runs: its rows are never packed sequences
+
+
+def _skip_packed_check() -> None:
+    """Lets this engine's forwards skip transformers' packed-sequence check, which waits for the device.
+
+    Without an attention mask, transformers looks for several sequences packed into one row (positions that
+    restart) and reads the answer back from the device: every forward then waits until the device has run
+    everything before it, and the device idles while the host prepares the next one (1.5 s of a 47 s run
+    on the H200, measured with the engine's device timing). This engine's rows are single sequences whose
+    positions run 0..T-1, for which the check returns None, so the answer is known without asking. Only
+    forwards run by this engine (a thread-local flag) take the shortcut; any other caller in the process
+    gets the original function."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        logger.info("transformers has no find_packed_sequence_indices: forwards run as the library runs them")
+        return
+    if getattr(original, "_single_sequence_rows", False):
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        return None if getattr(_unpacked, "active", False) else original(position_ids)
+
+    find_packed_sequence_indices._single_sequence_rows = True
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 class HFEngine:
@@ -100,7 +134,16 @@ class HFEngine:
         self.padded_tokens = 0
         self.real_tokens = 0
         # Where the forward thread's time goes (seconds): a device that waits shows up here, not as an error.
-        self.timing = {"idle": 0.0, "forward": 0.0, "stage": 0.0, "handoff": 0.0, "copy_wait": 0.0, "resolve": 0.0}
+        self.timing = {"idle": 0.0, "forward": 0.0, "stage": 0.0, "pin_alloc": 0.0, "handoff": 0.0, "copy_wait": 0.0, "resolve": 0.0}
+        # On CUDA, the device's own clock (events, read once a batch's copy is done): its forwards (first
+        # layer to final norm), the capture's staging after them, and what lies between one batch's staging
+        # and the next forward's first layer: the device waiting on the host, or with no work (idle).
+        if device.startswith("cuda"):
+            self.timing.update(device_forward=0.0, device_stage=0.0, device_between=0.0)
+        # Wall clock of the first forward's start and of the last batch's results: with the job's own clock
+        # they split a run into waiting for work, the device's span and what came after it.
+        self.first_forward_unix: float | None = None
+        self.last_done_unix: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -111,6 +154,7 @@ class HFEngine:
         if self.device == "cpu" and self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         t0 = time.monotonic()
+        _skip_packed_check()
         model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
         )
@@ -128,6 +172,10 @@ class HFEngine:
         self._hooks.append(norm.register_forward_hook(self._keep(("last", 0))))
         self.cuda = self.device.startswith("cuda")
         if self.cuda:
+            self._marks: dict = {}
+            self._prev_end = None
+            self._hooks.append(layers[0].register_forward_pre_hook(self._mark("first_layer")))
+            self._hooks.append(norm.register_forward_hook(self._mark("norm")))
             self._copy_stream = torch.cuda.Stream()
             self._finisher = threading.Thread(target=self._finish_loop, name="hf-engine-finish", daemon=True)
             self._finisher.start()
@@ -164,13 +212,21 @@ class HFEngine:
                 f"engine.max_batch_tokens={self.max_batch_tokens} does not fit on {self.device}: a forward of {n} x {length} "
                 f"tokens ran out of memory; lower engine.max_batch_tokens"
             )
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Counters from zero (after a warm-up); call with no request in flight."""
         self.batches = self.padded_tokens = self.real_tokens = 0
         self.timing = dict.fromkeys(self.timing, 0.0)
+        self.first_forward_unix = self.last_done_unix = None
+        self._prev_end = None
 
     def stats(self) -> dict:
-        """Counters so far: forwards, tokens (real and padded) and the forward/finisher threads' seconds."""
+        """Counters so far: forwards, tokens (real and padded), the forward/finisher threads' seconds and
+        the wall clock of the first forward and of the last results."""
         return {"forwards": self.batches, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
-                **{f"{k}_s": round(v, 3) for k, v in self.timing.items()}}  # fmt: skip
+                **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
+                "first_forward_unix": self.first_forward_unix, "last_done_unix": self.last_done_unix}  # fmt: skip
 
     def close(self) -> None:
         if self.batches:
@@ -261,11 +317,21 @@ class HFEngine:
 
         return hook
 
+    def _mark(self, name):
+        import torch
+
+        def hook(*_args):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks[name] = event
+
+        return hook
+
     def _take(self, pool: list[_Request]) -> list[_Request]:
         """Next forward: the longest request of the oldest caller batch sets the padded length T; the rest
         are the longest waiting requests of at most T tokens (any batch), up to max_batch_tokens padded,
-        stopping early where padding would pass MAX_PADDING of the real tokens (once the forward holds a
-        quarter of max_batch_tokens, enough to keep the device efficient).
+        stopping early where padding would pass MAX_PADDING of the real tokens (once the forward holds
+        MIN_FILL of max_batch_tokens, enough to keep the device efficient).
 
         The oldest batch goes first so that caller batches keep completing while later ones run: while one
         is encoded and committed, the requests of the others keep the device busy. (Loosely so: the filling
@@ -274,7 +340,9 @@ class HFEngine:
         so all of them would finish together and the device would idle through their commits (a 30 % loss,
         measured). Filling a forward to max_batch_tokens whatever the padding cost 6.8 % padded tokens at 32k
         on the H200 job's prompts (measured; 13 % at 64k in a simulation), against 2-4 % for the bare engine;
-        with the cap, 5.3 % at 64k, measured (bench/results/job_h200.json)."""
+        with the cap, 5.0 % at 64k with the floor at a quarter of max_batch_tokens and 3.3 % with it at an
+        eighth (measured in-process, bench/results/job_h200.json): below the floor a forward takes whatever
+        is left, and near the end of a caller batch that meant short requests padded to a long one."""
         oldest = min(r.order for r in pool)
         head = max((r for r in pool if r.order == oldest), key=lambda r: len(r.ids))
         longest = len(head.ids)
@@ -283,7 +351,7 @@ class HFEngine:
         batch, real = [head], longest
         for r in rest[:room]:
             n = len(r.ids)
-            if longest * (len(batch) + 1) > (real + n) * (1 + MAX_PADDING) and longest * len(batch) >= self.max_batch_tokens // 4:
+            if longest * (len(batch) + 1) > (real + n) * (1 + MAX_PADDING) and longest * len(batch) >= self.max_batch_tokens * MIN_FILL:
                 break
             batch.append(r)
             real += n
@@ -299,9 +367,12 @@ class HFEngine:
         for row, r in enumerate(batch):
             ids[row, : len(r.ids)] = r.ids
         self.batches += 1
+        if self.first_forward_unix is None:
+            self.first_forward_unix = time.time()
         self.padded_tokens += ids.size
         self.real_tokens += sum(len(r.ids) for r in batch)
         self._recording = record
+        _unpacked.active = True
         try:
             with torch.inference_mode():
                 host_ids = torch.from_numpy(ids)
@@ -313,6 +384,7 @@ class HFEngine:
                 self.base(input_ids=host_ids.to(self.device, non_blocking=True), use_cache=False)
         finally:
             self._recording = False
+            _unpacked.active = False
         return ids
 
     def _work_loop(self) -> None:
@@ -338,6 +410,8 @@ class HFEngine:
     def _run(self, batch: list[_Request]) -> None:
         import torch
 
+        if self.cuda:
+            self._marks = {}  # a forward that failed leaves none behind for the next
         try:
             t0 = time.monotonic()
             ids = self._forward(batch, record=self.capture_states)
@@ -365,7 +439,8 @@ class HFEngine:
             return
         if self.cuda:
             t0 = time.monotonic()
-            self._done.put(staged)  # blocks while the previous batch's copy is still pending: two in flight
+            marks, self._marks = self._marks, {}
+            self._done.put((staged, marks))  # blocks while the previous batch's copy is still pending: two in flight
             self.timing["handoff"] += time.monotonic() - t0
         elif self.capture_states:
             self._resolve(*staged)
@@ -377,12 +452,14 @@ class HFEngine:
             return None
         import torch
 
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record()
+        self._marks["end"] = done
         return batch, done
 
     def _resolve_bare(self, batch: list[_Request]) -> None:
         now = time.monotonic()
+        self.last_done_unix = time.time()
         for r in batch:
             r.future.set_result(RequestResult(r.key, None, None, now - r.submitted))
 
@@ -404,17 +481,27 @@ class HFEngine:
         bad = (~torch.isfinite(last)).sum(-1, dtype=torch.int32)
         for a in aux:
             bad += (~torch.isfinite(a)).sum(-1, dtype=torch.int32)
-        for row, n in enumerate(lengths):
-            o = int(offsets[row])
-            cols = torch.cat([a[row, :n] for a in aux], dim=-1) if aux else last[row, :n, :0]
-            for part, width in ((cols, w), (last[row, :n], h)):
-                view = staging[o : o + 2 * n * width].view(2, width, n)
-                view.copy_(part.contiguous().view(torch.uint8).view(n, width, 2).permute(2, 1, 0))
-                o += 2 * n * width
+        for k, states in enumerate((*aux, last)):
+            # One transpose per layer for the whole padded batch, [B, T, H] -> [B, H, T] as int16 (the bf16
+            # bits), so each request's planes are then a copy of whole rows: half the device time of
+            # splitting bytes token by token (measured on the H200), and one layer's copy alive at a time.
+            channels = states.view(torch.int16).transpose(1, 2).contiguous()
+            for row, n in enumerate(lengths):
+                o = int(offsets[row])
+                if k < len(aux):  # aux planes [2, W, n]: layer k holds channels k*H .. (k+1)*H
+                    planes = staging[o : o + 2 * n * w].view(2, w, n)[:, k * h : (k + 1) * h]
+                else:
+                    planes = staging[o + 2 * n * w : int(offsets[row + 1])].view(2, h, n)
+                # int16 [H, n] read as its bytes [H, n, 2] (low byte first) -> planes [2, H, n]
+                planes.copy_(channels[row, :, :n].unsqueeze(-1).view(torch.uint8).permute(2, 0, 1))
+            del channels
         if not self.cuda:
             return batch, ids, staging.numpy(), offsets, bad.numpy(), (w, h)
+        t0 = time.monotonic()
         host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
         counts = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+        self.timing["pin_alloc"] += time.monotonic() - t0
+        self._mark("end")()
         self._copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._copy_stream):
             host.copy_(staging, non_blocking=True)
@@ -429,12 +516,14 @@ class HFEngine:
             item = self._done.get()
             if item is None:
                 return
+            item, marks = item
             batch, done = item[0], item[-2 if self.capture_states else -1]
             try:
                 t0 = time.monotonic()
                 done.synchronize()
                 t1 = time.monotonic()
                 self.timing["copy_wait"] += t1 - t0
+                self._device_time(marks)
                 if not self.capture_states:
                     self._resolve_bare(batch)
                     continue
@@ -446,9 +535,21 @@ class HFEngine:
                     if not r.future.done():
                         r.future.set_result(RequestResult(r.key, None, f"copy failed: {type(e).__name__}: {e}", 0.0))
 
+    def _device_time(self, marks: dict) -> None:
+        """Adds one batch's device seconds (its events are complete once its copy is)."""
+        first, norm, end = marks.get("first_layer"), marks.get("norm"), marks.get("end")
+        if first is None or norm is None or end is None:
+            return
+        self.timing["device_forward"] += first.elapsed_time(norm) / 1000
+        self.timing["device_stage"] += norm.elapsed_time(end) / 1000
+        if self._prev_end is not None:
+            self.timing["device_between"] += self._prev_end.elapsed_time(first) / 1000
+        self._prev_end = end
+
     def _resolve(self, batch, ids, body: np.ndarray, offsets, nonfinite, widths) -> None:
         w, h = widths
         now = time.monotonic()
+        self.last_done_unix = time.time()
         for row, r in enumerate(batch):
             n = len(r.ids)
             header = {

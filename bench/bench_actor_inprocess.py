@@ -71,6 +71,7 @@ def main() -> None:
 
     with HFEngine(str(args.model), aux, device=args.device, capture=False, max_batch_tokens=args.max_batch_tokens) as bare:
         bare.capture(warm)
+        bare.reset_stats()
         t0 = time.monotonic()
         bare.capture([(p["id"], p["input_ids"]) for p in prompts])
         result["bare"] = {"tok_s": round(tokens / (time.monotonic() - t0), 1), "engine": bare.stats()}
@@ -87,8 +88,7 @@ def main() -> None:
     stage = extractor.HiddenStateExtractor(engine_kwargs, layout, str(args.out_dir), retries=0, engine_class=HFEngine)
     try:
         stage.engine.capture(warm)
-        for k in stage.engine.timing:
-            stage.engine.timing[k] = 0.0
+        stage.engine.reset_stats()
         finished: list[float] = []
         t0 = time.monotonic()
 

@@ -2,7 +2,8 @@
 
   python bench/bench_job_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b|tiny] [--prompts 1000]
                                 [--min-len 128] [--max-len 2048] [--batch-tokens 8192,16384,32768]
-                                [--actors 1,2,1@/dev/shm/hh] [--disk-test-gb 8] [--device cuda|cpu]
+                                [--actors 1,2,1@/dev/shm/hh] [--disk-test-gb 8] [--variant NAME:KEY=VAL,...]
+                                [--device cuda|cpu]
                                 [--out bench/results/job_gpu.json]
 
 1. A random-init model of the requested shape (8b: Llama-3-8B, H=4096, 32 layers, GQA 32/8, MLP 14336) with
@@ -20,6 +21,8 @@ job ÷ bare uses the job's rate after engine start (manifest last_run.tokens_per
 committed tokens from the moment the first actor's engine was up to the last commit; Ray and model start-up
 excluded, every batch included). The end-to-end and steady (first to last commit) rates are recorded too;
 the steady rate misleads when a few large batches are all in flight at once (they all land at the end).
+Each run's `window` splits that span per actor with the engine's own clock (before the first forward, the
+forwards' span, after the last results); `--variant NAME:KEY=VAL,...` adds one-actor runs with other settings.
 """
 
 from __future__ import annotations
@@ -168,14 +171,14 @@ def disk_rate(root: Path, gb: float, writers: int = 4) -> dict:
 
 
 def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int, device: str, batch_size: int,
-        batches_per_actor: int) -> dict:  # fmt: skip
+        batches_per_actor: int, extra_sets: tuple[str, ...] = ()) -> dict:  # fmt: skip
     out = work / f"out-{actors}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
     sets = [f"input.path={prompts}", f"model.path={model_dir}", f"output.path={out}", "engine.name=hf",
             f"engine.device={device}", f"engine.num_actors={actors}", f"engine.max_batch_tokens={batch_tokens}",
             f"engine.batches_per_actor={batches_per_actor}", f"extract.batch_size={batch_size}", "extract.max_tokens=4096",
-            "progress.interval_s=5"]  # fmt: skip
+            "progress.interval_s=5", *extra_sets]  # fmt: skip
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [a for s in sets for a in ("--set", s)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -192,6 +195,7 @@ def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: i
     result = {
         "actors": actors,
         "output_root": str(work),
+        "window": window(lr),
         "command": shlex.join(["harvest", "run", "conf/default.yaml"] + [a for s in sets for a in ("--set", s)]),
         # From the first engine up to the last commit: every batch, no Ray or model start-up.
         "tok_s": lr["tokens_per_second_after_engine_start"],
@@ -217,6 +221,24 @@ def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: i
     return result
 
 
+def window(last_run: dict) -> dict:
+    """Where the rate's window (first engine up -> last commit) went, per actor, from the engine's own clock:
+    waiting for the first batch, the span from the first forward to the last results, and what came after
+    (the last shard's encoding and commit, and Ray returning its rows); the span's idle seconds are those
+    the forward thread had no request."""
+    ready, end = last_run.get("engines_ready_unix"), last_run.get("last_result_unix")
+    out = {}
+    for actor, a in (last_run.get("per_actor") or {}).items():
+        e = a.get("engine") or {}
+        first, last = e.get("first_forward_unix"), e.get("last_done_unix")
+        if None in (ready, end, first, last):
+            continue
+        out[actor] = {"before_first_forward_s": round(first - ready, 3), "device_span_s": round(last - first, 3),
+                      "idle_in_span_s": e.get("idle_s"), "after_last_results_s": round(end - last, 3),
+                      "padding": round(e["padded_tokens"] / max(e["real_tokens"], 1) - 1, 4), "forwards": e.get("forwards")}  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, required=True)
@@ -231,6 +253,8 @@ def main() -> None:
     ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
     ap.add_argument("--actors", default="1", help="runs: N or N@DIR (that run's output under DIR), comma separated")
     ap.add_argument("--disk-test-gb", type=float, default=0.0, help="first measure each output directory's write rate")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VAL[,KEY=VAL]",
+                    help="one more one-actor run under the first run's directory with these config overrides")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "job_gpu.json")
     args = ap.parse_args()
@@ -261,29 +285,34 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    runs = [(int(a.split("@")[0]), Path(a.split("@")[1]) if "@" in a else args.work) for a in args.actors.split(",")]
+    runs = [(int(a.split("@")[0]), Path(a.split("@")[1]) if "@" in a else args.work, "", ()) for a in args.actors.split(",")]
+    for v in args.variant:
+        name, _, sets = v.partition(":")
+        runs.append((1, runs[0][1], name, tuple(sets.split(","))))
     if args.disk_test_gb:
-        result["disk"] = {str(root): disk_rate(root, args.disk_test_gb) for root in dict.fromkeys(r for _, r in runs)}
+        result["disk"] = {str(root): disk_rate(root, args.disk_test_gb) for root in dict.fromkeys(r[1] for r in runs)}
         save()
     result["bare"] = base = bare(model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device)
     save()
     if args.engine_only:
         result["engine_only"] = engine_only(model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"])
         save()
-    for actors, root in runs:
+    for actors, root, variant, extra in runs:
         r = job(root, model_dir, prompts_path, actors, base["best_max_batch_tokens"], args.device, args.batch_size,
-                args.batches_per_actor)  # fmt: skip
+                args.batches_per_actor, extra)  # fmt: skip
+        if variant:
+            r["variant"] = variant
         if not r.get("failed"):
             r["ratio_vs_bare"] = round(r["tok_s"] / base["tok_s"], 3)
             r["ratio_vs_bare_end_to_end"] = round(r["tok_s_end_to_end"] / base["tok_s"], 3)
-            same_root = [x for x in result["job"] + [r] if x.get("output_root") == str(root) and not x.get("failed")]
+            same_root = [x for x in result["job"] + [r] if x.get("output_root") == str(root) and not x.get("failed") and not x.get("variant")]
             one = next((x for x in same_root if x["actors"] == 1), None)
-            if one:
+            if one and not variant:
                 r["scaling"] = round(r["tok_s"] / one["tok_s"], 3)
         result["job"].append(r)
         save()
     log(f"wrote {args.out}")
-    print(json.dumps({"bare_tok_s": base["tok_s"], "job": [{k: r.get(k) for k in ("actors", "output_root", "tok_s", "ratio_vs_bare", "scaling", "verify_passed", "exactly_once")} for r in result["job"]]}))
+    print(json.dumps({"bare_tok_s": base["tok_s"], "job": [{k: r.get(k) for k in ("actors", "variant", "output_root", "tok_s", "ratio_vs_bare", "scaling", "verify_passed", "exactly_once")} for r in result["job"]]}))
 
 
 if __name__ == "__main__":

@@ -275,6 +275,8 @@ def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool
         "first_result_seconds": round(progress.first_result_at - progress.started, 3) if progress.first_result_at else None,
         "steady_tokens_per_second": round(progress.steady_tokens_per_second() or 0.0, 1),
         "tokens_per_second_after_engine_start": round(progress.tokens_per_second_after_engine_start() or 0.0, 1),
+        # The window that rate covers (wall clock), to set against the engines' own timestamps in per_actor.
+        "engines_ready_unix": progress.engines_ready_unix, "last_result_unix": progress.last_result_unix or None,
         "per_actor": progress.actors,
     }  # fmt: skip
     write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=last_run))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.hf_engine import MAX_PADDING, HFEngine, _ids_sha256, _Request
+from actors.hf_engine import MAX_PADDING, MIN_FILL, HFEngine, _ids_sha256, _Request
 from actors.sglang_server import EngineDied
 from actors.validate import check_capture
 
@@ -92,6 +92,68 @@ def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir
     alone = _submit_together(engine, [("alone", reqs[2][1])])["alone"].capture
     for got, ref in zip(res["r2"].capture.bits(), alone.bits()):
         assert _cos(_bf16(got), _bf16(ref)).min().item() > 0.999
+
+
+@pytest.mark.parametrize("n_aux", [3, 0])
+def test_staging_lays_out_each_request_as_the_codecs_byte_planes(n_aux):
+    """The staging buffer against pipeline.codec.to_planes (numpy, no torch): per request its aux planes
+    [2, K*H, n] (layers side by side), then its final-state planes [2, H, n]; padded positions never appear."""
+    from pipeline.codec import to_planes
+
+    b, t, h, lengths = 3, 9, 8, [9, 4, 1]
+    gen = torch.Generator().manual_seed(0)
+    aux = [torch.randn(b, t, h, generator=gen).to(torch.bfloat16) for _ in range(n_aux)]
+    last = torch.randn(b, t, h, generator=gen).to(torch.bfloat16)
+    eng = HFEngine("unused", tuple(range(n_aux)))
+    eng.cuda = False
+    eng._taken = {("aux", k): a for k, a in enumerate(aux)} | {("last", 0): last}
+    batch = [_Request(str(i), [1] * n, Future(), 0.0) for i, n in enumerate(lengths)]
+    _, _, body, offsets, nonfinite, widths = eng._stage(batch, np.ones((b, t), dtype=np.int64))
+    assert widths == (n_aux * h, h) and nonfinite.shape == (b, t) and not nonfinite.any()
+    assert offsets[-1] == len(body) == sum(2 * n * (n_aux + 1) * h for n in lengths)
+
+    def bits(x, row, n):
+        return x[row, :n].contiguous().view(torch.int16).numpy().view(np.uint16)
+
+    for row, n in enumerate(lengths):
+        aux_bits = np.concatenate([bits(a, row, n) for a in aux], axis=1) if aux else np.zeros((n, 0), np.uint16)
+        want = np.concatenate([to_planes(aux_bits).ravel(), to_planes(bits(last, row, n)).ravel()])
+        assert np.array_equal(body[offsets[row] : offsets[row + 1]], want)
+
+
+def test_device_time_adds_forward_staging_and_the_gap_between_batches():
+    class Ev:  # a CUDA event's elapsed_time (ms) on a fake clock
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    eng = HFEngine("unused", AUX, device="cuda")  # nothing touches a device before start()
+    eng.reset_stats()
+    eng._device_time({"first_layer": Ev(0), "norm": Ev(800), "end": Ev(820)})
+    eng._device_time({"first_layer": Ev(830), "norm": Ev(1630), "end": Ev(1650)})
+    eng._device_time({"norm": Ev(2000)})  # a batch without its marks (a failed forward) adds nothing
+    s = eng.stats()
+    assert (s["device_forward_s"], s["device_stage_s"], s["device_between_s"]) == (1.6, 0.04, 0.01)
+
+
+def test_the_packed_sequence_shortcut_holds_only_inside_this_engines_forwards(engine):
+    """transformers' packed-sequence check waits for the device; the engine answers it for its own rows
+    (one sequence each) and leaves it as it was for anyone else in the process."""
+    from transformers import masking_utils
+
+    packed = torch.tensor([[0, 1, 2, 0, 1]])
+    assert masking_utils.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1]]
+    assert masking_utils.find_packed_sequence_indices(torch.arange(5)[None]) is None
+    seen = []
+    hook = engine.base.layers[0].register_forward_pre_hook(lambda *_: seen.append(masking_utils.find_packed_sequence_indices(packed)))
+    try:
+        res = engine.submit("p", list(range(1, 9))).result(timeout=120)
+    finally:
+        hook.remove()
+    assert res.error is None and seen == [None]
+    res.capture.release()
 
 
 # ---- non-finite values ------------------------------------------------------------------------------
@@ -237,11 +299,11 @@ def test_take_caps_the_batch_at_max_batch_tokens_over_the_longest():
 
 
 def test_take_stops_filling_where_padding_would_pass_the_cap():
-    """Padding stays within MAX_PADDING of the real tokens, once the forward holds a quarter of the budget."""
-    eng = _policy(1000)
+    """Padding stays within MAX_PADDING of the real tokens, once the forward holds MIN_FILL of the budget."""
+    eng = _policy(round(250 / MIN_FILL))  # MIN_FILL of it is 250 padded tokens
     pool = [_req(k, n, 0) for k, n in (("p100", 100), ("p99", 99), ("p60", 60), ("p58", 58), ("p57", 57))]
-    # 100 + 99 pad 1; p60 would pad 40 (past 3 %) but the forward holds only 200 of 1000 // 4 = 250
-    # padded tokens, so it still goes in; p58 then stops the fill (300 >= 250).
+    # 100 + 99 pad 1; p60 would pad 40 (past 3 %) but the forward holds only 200 of the 250 padded
+    # tokens, so it still goes in; p58 then stops the fill (300 >= 250).
     assert [r.key for r in eng._take(pool)] == ["p100", "p99", "p60"]
     assert [r.key for r in eng._take(pool)] == ["p58", "p57"]
     assert MAX_PADDING == 0.03
