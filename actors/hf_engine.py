@@ -16,9 +16,10 @@ the same code for both engines. One worker thread owns the model:
   i = output of decoder layer i = HF `hidden_states[i+1]`; final = after the final norm, the SGLang path's
   convention) and the base model runs without the LM head (SGLang computes logits for one position only).
 - On CUDA each request's states are split into the codec's byte planes (one transpose per layer for the
-  whole batch, then a copy per request) and counted for non-finite values on the device, then copied in one asynchronous transfer per batch into pinned memory on a side stream;
-  a finisher thread waits for that copy and resolves the futures while the next batch already runs. At
-  most two batches are in flight, which bounds device and pinned memory.
+  whole batch, then a copy per request) and counted for non-finite values on the device, then copied in
+  one asynchronous transfer per batch into pinned memory on a side stream; a finisher thread waits for
+  that copy and resolves the futures while the next batch already runs. At most two batches are in
+  flight, which bounds device and pinned memory.
 
 - On CUDA, start() runs one full forward of `max_batch_tokens` before it returns (`_warm_up`): a size the
   device cannot hold is refused at start, and the job's first batches do not pay for kernel loading and

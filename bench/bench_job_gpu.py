@@ -93,24 +93,26 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
     aux = default_aux_layers(num_hidden_layers(model_dir))
     eng = HFEngine(str(model_dir), aux, device=device, capture=False, max_batch_tokens=max(sweep)).start()
     tokens = sum(len(p) for p in prompts)
-    rates = {}
+    rates, stats = {}, {}
     try:
         eng.capture([(f"w{i}", p) for i, p in enumerate(prompts[:64])])  # warm-up: kernels, allocator
         for b in sweep:
             eng.max_batch_tokens = b
+            eng.reset_stats()
             t0 = time.monotonic()
             res = eng.capture([(f"p{i}", p) for i, p in enumerate(prompts)])
             dt = time.monotonic() - t0
+            stats[b] = eng.stats()  # the device's own seconds, to set against the job's (per_actor.engine)
             errors = [r.error for r in res.values() if r.error]
             if errors:
                 raise RuntimeError(f"bare run failed: {errors[:3]}")
             rates[b] = tokens / dt
-            log(f"bare max_batch_tokens={b}: {rates[b]:,.0f} tok/s ({dt:.1f}s, padding {eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f} so far)")
+            log(f"bare max_batch_tokens={b}: {rates[b]:,.0f} tok/s ({dt:.1f}s, padding {eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f})")
     finally:
         eng.close()
     best = max(rates, key=rates.get)
     return {"tok_s_by_max_batch_tokens": {str(k): round(v, 1) for k, v in rates.items()}, "best_max_batch_tokens": best,
-            "tok_s": round(rates[best], 1), "tokens": tokens, "aux_layers": list(aux)}  # fmt: skip
+            "tok_s": round(rates[best], 1), "tokens": tokens, "aux_layers": list(aux), "engine": stats[best]}  # fmt: skip
 
 
 def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, device: str, aux: list[int]) -> dict:
