@@ -2,7 +2,7 @@
 
   python bench/bench_job_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b|tiny] [--prompts 1000]
                                 [--min-len 128] [--max-len 2048] [--batch-tokens 8192,16384,32768]
-                                [--actors 1,2,1@/dev/shm/hh] [--disk-test-gb 8] [--variant NAME:KEY=VAL,...]
+                                [--actors 1,2,1@TMPFS_DIR] [--disk-test-gb 8] [--variant NAME:KEY=VAL,...]
                                 [--device cuda|cpu]
                                 [--out bench/results/job_gpu.json]
 
