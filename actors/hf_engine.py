@@ -20,7 +20,6 @@ the same code for both engines. One worker thread owns the model:
   one asynchronous transfer per batch into pinned memory on a side stream; a finisher thread waits for
   that copy and resolves the futures while the next batch already runs. At most two batches are in
   flight, which bounds device and pinned memory.
-
 - On CUDA, start() runs one full forward of `max_batch_tokens` before it returns (`_warm_up`): a size the
   device cannot hold is refused at start, and the job's first batches do not pay for kernel loading and
   memory pools growing.

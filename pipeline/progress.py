@@ -58,7 +58,9 @@ class Progress:
             a = self.actors.setdefault(actor, {"samples": 0, "tokens": 0})
             if engine_stats is not None and engine_stats[i]:
                 text = engine_stats[i]
-                stats = parsed[text] if text in parsed else parsed.setdefault(text, json.loads(text))
+                if text not in parsed:
+                    parsed[text] = json.loads(text)
+                stats = parsed[text]
                 if stats.get("forwards", 0) >= a.get("engine", {}).get("forwards", 0):  # batches return out of order
                     a["engine"] = stats
             if status == "ok":
