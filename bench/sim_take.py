@@ -1,0 +1,103 @@
+"""The hf engine's batching (HFEngine._take, the real one) simulated on the job's request pattern: padding
+and forward count for settings of MAX_PADDING and MIN_FILL, no model and no device.
+
+  python bench/sim_take.py [--prompts 1280] [--min-len 128] [--max-len 2048] [--batch-size 128] [--calls 8]
+                           [--max-batch-tokens 65536] [--seeds 0,1,2] [--out bench/results/take_simulation.json]
+
+The job's pattern: `--calls` caller batches of `--batch-size` requests are in flight (engine.batches_per_actor),
+each with its own order; a finished caller batch is replaced by the next. The host takes the next forward
+while the current one runs; a forward lasts its padded tokens / a fixed rate, so the device's time is the
+padded token count. Lengths are uniform in [min-len, max-len] with numpy's default_rng(seed), as
+bench_job_gpu.py draws its prompts. What it cannot say: how much a smaller forward costs on a real device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import actors.hf_engine as hf  # noqa: E402
+
+
+def simulate(lengths: list[int], batch_size: int, calls: int, max_batch_tokens: int) -> dict:
+    batches = [lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
+    eng = hf.HFEngine("unused", (0,), max_batch_tokens=max_batch_tokens)  # _take needs no model
+    pool: list[hf._Request] = []
+    left: dict[int, int] = {}
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        b, submitted = submitted, submitted + 1
+        left[b] = len(batches[b])
+        pool.extend(hf._Request(f"{b}:{j}", [1] * n, Future(), 0.0, float(b)) for j, n in enumerate(batches[b]))
+
+    for _ in range(min(calls, len(batches))):
+        submit()
+    padded = forwards = 0
+    running: list[hf._Request] = []
+    while pool or running:
+        nxt = eng._take(pool) if pool else []  # taken while the current forward runs
+        for r in running:  # the current forward ends: its caller batches may complete
+            b = int(r.order)
+            left[b] -= 1
+            if left[b] == 0 and submitted < len(batches):
+                submit()
+        if nxt:
+            padded += len(nxt[0].ids) * len(nxt)
+            forwards += 1
+        running = nxt
+    return {"padding": round(padded / sum(lengths) - 1, 4), "forwards": forwards}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=1280)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--max-batch-tokens", type=int, default=65536)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "take_simulation.json")
+    args = ap.parse_args()
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    draws = {s: [int(x) for x in np.random.default_rng(s).integers(args.min_len, args.max_len + 1, args.prompts)] for s in seeds}
+    runs = []
+    for max_padding in (0.03, 0.02, 0.015):
+        for min_fill in (0.25, 0.125, 0.0625):
+            hf.MAX_PADDING, hf.MIN_FILL = max_padding, min_fill
+            per_seed = [simulate(draws[s], args.batch_size, args.calls, args.max_batch_tokens) for s in seeds]
+            runs.append({"max_padding": max_padding, "min_fill": min_fill, "per_seed": per_seed})
+    # The bare engine's pattern: every request at once, one order.
+    hf.MAX_PADDING, hf.MIN_FILL = 0.03, 0.125
+    bare = [simulate(draws[s], args.prompts, 1, args.max_batch_tokens) for s in seeds]
+    result = {
+        "benchmark": "HFEngine._take simulated on the job's request pattern (no model, no device)",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": shlex.join(["python", "bench/sim_take.py"] + sys.argv[1:]),
+        "pattern": {k: getattr(args, k) for k in ("prompts", "min_len", "max_len", "batch_size", "calls", "max_batch_tokens")},
+        "seeds": seeds,
+        "job_pattern": runs,
+        "bare_pattern_max_padding_0.03_min_fill_0.125": bare,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for r in runs:
+        print(r["max_padding"], r["min_fill"], [(p["padding"], p["forwards"]) for p in r["per_seed"]])
+    print("bare pattern", [(p["padding"], p["forwards"]) for p in bare])
+
+
+if __name__ == "__main__":
+    main()
