@@ -499,28 +499,44 @@ class HFEngine:
             del channels
         if not self.cuda:
             return batch, ids, staging.numpy(), offsets, bad.numpy(), (w, h)
+        self._mark("end")()
+        # The finisher allocates the pinned memory and queues the copy after this event: allocating pinned
+        # memory can take a while, and this thread only launches device work. The staging tensors stay
+        # referenced (in this tuple) until the finisher has seen the copy end.
+        return batch, ids, staging, offsets, bad, (w, h)
+
+    def _copy_to_host(self, staging, bad, end):
+        """Queue one batch's device-to-host copy behind its staging (the event `end`): (host, counts, done)."""
+        import torch
+
         t0 = time.monotonic()
         host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
         counts = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
         self.timing["pin_alloc"] += time.monotonic() - t0
-        self._mark("end")()
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(end)
             host.copy_(staging, non_blocking=True)
             counts.copy_(bad, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        # The staging tensors stay referenced (in this tuple) until the finisher has seen the copy end.
-        return batch, ids, host, offsets, counts, (w, h), done, (staging, bad)
+        return host, counts, done
 
     def _finish_loop(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self._copy_stream.device)  # this thread's pinned allocations and events
         while True:
             item = self._done.get()
             if item is None:
                 return
             item, marks = item
-            batch, done = item[0], item[-2 if self.capture_states else -1]
+            batch = item[0]
             try:
+                if self.capture_states:
+                    _, ids, staging, offsets, bad, widths = item
+                    host, counts, done = self._copy_to_host(staging, bad, marks["end"])
+                else:
+                    done = item[1]
                 t0 = time.monotonic()
                 done.synchronize()
                 t1 = time.monotonic()
@@ -529,7 +545,7 @@ class HFEngine:
                 if not self.capture_states:
                     self._resolve_bare(batch)
                     continue
-                _, ids, host, offsets, counts, widths, _, _keep = item
+                del item, staging, bad  # copied: the device memory may go back to the pool
                 self._resolve(batch, ids, host.numpy(), offsets, counts.numpy(), widths)
                 self.timing["resolve"] += time.monotonic() - t1
             except Exception as e:  # noqa: BLE001
