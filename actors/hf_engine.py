@@ -45,6 +45,7 @@ import numpy as np
 from actors.dump import Capture
 from actors.sglang_engine import RequestResult
 from actors.sglang_server import EngineDied
+from actors.staging import TritonStager, stage_torch
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class HFEngine:
         self._done: queue.Queue = queue.Queue(maxsize=1)  # batches whose copy is in flight (CUDA)
         self._failure: BaseException | None = None
         self._recording = False
+        self._stager = stage_torch  # on CUDA, start() puts the Triton kernel here where it matches
         self.batches = 0
         self.padded_tokens = 0
         self.real_tokens = 0
@@ -171,6 +173,10 @@ class HFEngine:
         self._hooks = [layers[i].register_forward_hook(self._keep(("aux", k))) for k, i in enumerate(self.aux_layers)]
         self._hooks.append(norm.register_forward_hook(self._keep(("last", 0))))
         self.cuda = self.device.startswith("cuda")
+        if self.cuda and self.capture_states:
+            # One kernel launch per layer instead of a few hundred small torch ops on the forward thread
+            # (actors/staging.py); checked against the torch ops here, and they stay where it does not match.
+            self._stager = TritonStager.checked(self.device) or stage_torch
         if self.cuda:
             self._marks: dict = {}
             self._prev_end = None
@@ -225,6 +231,7 @@ class HFEngine:
         """Counters so far: forwards, tokens (real and padded), the forward/finisher threads' seconds and
         the wall clock of the first forward and of the last results."""
         return {"forwards": self.batches, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
+                "staging": "triton" if isinstance(getattr(self, "_stager", None), TritonStager) else "torch",
                 **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
                 "first_forward_unix": self.first_forward_unix, "last_done_unix": self.last_done_unix}  # fmt: skip
 
@@ -464,7 +471,9 @@ class HFEngine:
             r.future.set_result(RequestResult(r.key, None, None, now - r.submitted))
 
     def _stage(self, batch: list[_Request], ids: np.ndarray):
-        """Byte planes [2, W, T] per request (aux, then last) in one buffer, plus the non-finite counts."""
+        """Byte planes [2, W, T] per request (aux, then last) in one buffer, plus the non-finite counts
+        per padded position (summed per request on the host over its real positions: a device-side mask
+        would need the lengths copied up, a sync point). See actors/staging.py."""
         import torch
 
         aux = [self._taken.pop(("aux", k)) for k in range(len(self.aux_layers))]
@@ -476,27 +485,9 @@ class HFEngine:
         sizes = [2 * n * (w + h) for n in lengths]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
-        # Non-finite values per position of the padded batch [B, T]; summed per request on the host over
-        # its real positions only (a device-side mask would need the lengths copied up: a sync point).
-        bad = (~torch.isfinite(last)).sum(-1, dtype=torch.int32)
-        for a in aux:
-            bad += (~torch.isfinite(a)).sum(-1, dtype=torch.int32)
-        for k, states in enumerate((*aux, last)):
-            # One transpose per layer for the whole padded batch, [B, T, H] -> [B, H, T] as int16 (the bf16
-            # bits), so each request's planes are then a copy of whole rows, and one layer's copy alive at a
-            # time. On the H200 this layout took 12.6 ms per 64k tokens where splitting bytes token by token
-            # took 23.7 ms, the first timed without the non-finite count above (bench/bench_stage_gpu.py
-            # times both with it); on a CPU the two are within about 10 % of each other, either way.
-            channels = states.view(torch.int16).transpose(1, 2).contiguous()
-            for row, n in enumerate(lengths):
-                o = int(offsets[row])
-                if k < len(aux):  # aux planes [2, W, n]: layer k holds channels k*H .. (k+1)*H
-                    planes = staging[o : o + 2 * n * w].view(2, w, n)[:, k * h : (k + 1) * h]
-                else:
-                    planes = staging[o + 2 * n * w : int(offsets[row + 1])].view(2, h, n)
-                # int16 [H, n] read as its bytes [H, n, 2] (low byte first) -> planes [2, H, n]
-                planes.copy_(channels[row, :, :n].unsqueeze(-1).view(torch.uint8).permute(2, 0, 1))
-            del channels
+        bad = torch.zeros(last.shape[:2], dtype=torch.int32, device=last.device)
+        self._stager([*aux, last], lengths, offsets, staging, bad)
+        del aux, last
         if not self.cuda:
             return batch, ids, staging.numpy(), offsets, bad.numpy(), (w, h)
         self._mark("end")()

@@ -1,0 +1,160 @@
+"""Staging: a padded batch's captured states laid out as each request's codec byte planes, on the device.
+
+A forward's states are, per captured layer, a padded tensor [B, T, H] in bf16. What the host needs is, per
+request of n real tokens, one contiguous body: the aux planes [2, K*H, n] (low bytes of every channel, then
+the high bytes; aux layer k holds channels k*H .. (k+1)*H), then the final layer's planes [2, H, n] (the
+layout of `pipeline.codec.to_planes`, which a SGLang dump also carries). Alongside it, per position of the
+padded batch, how many of its values are not finite; the host sums those over each request's real tokens.
+
+Two implementations with the same output:
+- `stage_torch`: torch ops, on any device. One transpose per layer, then one copy per request and layer:
+  a few hundred small ops per forward, each a Python call into torch that lets go of the interpreter lock
+  and waits to take it back. In a job, where encoding threads and Ray's own threads want the same lock,
+  the thread that launches the forwards spent 58 ms per forward here on the H200 (7.3 s of a 44 s run with
+  the pinned allocations, bench/results/job_h200.json), and the device waited on it.
+- `TritonStager`: one Triton kernel launch per layer, CUDA only. Each program reads a tile of one row's
+  states, writes both byte planes transposed straight into the request's place in the staging buffer and
+  counts the non-finite values (a bf16 value is not finite when its exponent bits are all ones); padded
+  positions are never read. `TritonStager.checked` runs it against `stage_torch` once on a small batch
+  with odd lengths and non-finite values and gives None (and logs why) where Triton is missing, does not
+  compile or does not match, so the engine falls back to the torch ops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def stage_torch(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
+    """Fills `staging` (uint8, offsets[-1] bytes) with every request's planes and adds each padded
+    position's non-finite count over `layers` (aux..., last; each [B, T, H] bf16) into `bad` (int32 [B, T])."""
+    import torch
+
+    *aux, last = layers
+    h = last.shape[-1]
+    w = len(aux) * h
+    for states in layers:
+        bad += (~torch.isfinite(states)).sum(-1, dtype=torch.int32)
+    for k, states in enumerate(layers):
+        # One transpose per layer for the whole padded batch, [B, T, H] -> [B, H, T] as int16 (the bf16
+        # bits), so each request's planes are then a copy of whole rows, and one layer's copy alive at a
+        # time. On the H200 this layout took 12.6 ms per 64k tokens where splitting bytes token by token
+        # took 23.7 ms, the first timed without the non-finite count above (bench/bench_stage_gpu.py
+        # times both with it); on a CPU the two are within about 10 % of each other, either way.
+        channels = states.view(torch.int16).transpose(1, 2).contiguous()
+        for row, n in enumerate(lengths):
+            o = int(offsets[row])
+            if k < len(aux):  # aux planes [2, W, n]: layer k holds channels k*H .. (k+1)*H
+                planes = staging[o : o + 2 * n * w].view(2, w, n)[:, k * h : (k + 1) * h]
+            else:
+                planes = staging[o + 2 * n * w : int(offsets[row + 1])].view(2, h, n)
+            # int16 [H, n] read as its bytes [H, n, 2] (low byte first) -> planes [2, H, n]
+            planes.copy_(channels[row, :, :n].unsqueeze(-1).view(torch.uint8).permute(2, 0, 1))
+        del channels
+
+
+_kernel = None
+
+
+def _build_kernel():
+    """The Triton kernel, defined on first use (Triton is imported only where a CUDA engine asks for it)."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    # Sizes that change from forward to forward are not specialized on (divisibility by 16): each new
+    # specialization is a compile, on the forward thread, in the middle of a job.
+    @triton.jit(do_not_specialize=["stride_b", "stride_t", "stride_bad", "H", "W", "col0"])
+    def planes_kernel(src, stride_b, stride_t, dst, meta, bad, stride_bad, H, W, col0,
+                      LAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+        # One program: row b, tokens t0 .. t0+BLOCK_T, channels c0 .. c0+BLOCK_H of one layer.
+        b = tl.program_id(0)
+        start = tl.load(meta + 2 * b)  # int64: the request's first byte in dst
+        n = tl.load(meta + 2 * b + 1)  # int64: its real tokens
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        c = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        keep = (t < n)[:, None] & (c < H)[None, :]
+        x = tl.load(src + b.to(tl.int64) * stride_b + t[:, None].to(tl.int64) * stride_t + c[None, :], mask=keep, other=0)
+        # bf16 bits as int16: not finite when the exponent bits (0x7F80) are all set.
+        bad_count = tl.sum((((x & 0x7F80) == 0x7F80) & keep).to(tl.int32), axis=1)
+        tl.atomic_add(bad + b.to(tl.int64) * stride_bad + t, bad_count, mask=t < n)
+        if LAST:  # after the aux planes [2, W, n]: planes [2, H, n]
+            base = start + 2 * n * W
+            width = H
+            col = c
+        else:  # aux planes [2, W, n], this layer's channels from col0
+            base = start
+            width = W
+            col = col0 + c
+        at = base + col[None, :].to(tl.int64) * n + t[:, None]
+        tl.store(dst + at, (x & 0xFF).to(tl.uint8), mask=keep)
+        tl.store(dst + width * n + at, ((x >> 8) & 0xFF).to(tl.uint8), mask=keep)
+
+    _kernel = planes_kernel
+    return _kernel
+
+
+class TritonStager:
+    """`stage_torch`'s output from one kernel launch per layer (CUDA)."""
+
+    BLOCK_T = 64
+    BLOCK_H = 64
+
+    def __init__(self):
+        self.kernel = _build_kernel()
+
+    def __call__(self, layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
+        import torch
+
+        *aux, last = layers
+        b, t, h = last.shape
+        w = len(aux) * h
+        # (first byte, tokens) per request, copied up from pinned memory behind the forward: no host wait.
+        meta = torch.from_numpy(np.stack([offsets[:-1], np.asarray(lengths, dtype=np.int64)], axis=1).astype(np.int64))
+        if staging.is_cuda:
+            meta = meta.pin_memory().to(staging.device, non_blocking=True)
+        grid = (b, -(-t // self.BLOCK_T), -(-h // self.BLOCK_H))
+        for k, states in enumerate(layers):
+            bits = states.view(torch.int16)
+            if bits.stride(-1) != 1:
+                bits = bits.contiguous()
+            self.kernel[grid](bits, bits.stride(0), bits.stride(1), staging, meta, bad, bad.stride(0), h, w, k * h,
+                              LAST=k == len(aux), BLOCK_T=self.BLOCK_T, BLOCK_H=self.BLOCK_H)  # fmt: skip
+
+    @classmethod
+    def checked(cls, device) -> TritonStager | None:
+        """A stager that matched `stage_torch` on a small batch on `device`, or None (logged) to use torch."""
+        import torch
+
+        try:
+            stager = cls()
+            gen = torch.Generator().manual_seed(0)
+            lengths = [70, 1, 129, 64]  # tile edges, a single token, a full tile
+            b, t, h, k = len(lengths), max(lengths) + 3, 96, 2  # h not a multiple of the tile
+            layers = [(torch.randn(b, t, h, generator=gen) * 4).to(torch.bfloat16) for _ in range(k + 1)]
+            layers[0][0, 5, 7] = float("nan")
+            layers[-1][2, 128, 95] = float("inf")
+            layers[1][3, 66, 0] = float("-inf")  # past the request's end: not counted, not copied
+            layers = [x.to(device) for x in layers]
+            sizes = [2 * n * (k + 1) * h for n in lengths]
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            out = []
+            for fill in (stage_torch, stager):
+                staging = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=device)
+                bad = torch.zeros((b, t), dtype=torch.int32, device=device)
+                fill(layers, lengths, offsets, staging, bad)
+                out.append((staging.cpu(), [int(bad[r, :n].sum()) for r, n in enumerate(lengths)]))
+            (want, want_bad), (got, got_bad) = out
+            if not torch.equal(want, got) or want_bad != got_bad:
+                raise AssertionError(f"bytes equal: {torch.equal(want, got)}, non-finite counts {got_bad} (want {want_bad})")
+        except Exception as e:  # noqa: BLE001 - any failure means the torch staging, which is always right
+            logger.warning("staging with torch ops (a few hundred small ops per forward): the Triton kernel is not usable here: %s: %s",
+                           type(e).__name__, e)  # fmt: skip
+            return None
+        return stager

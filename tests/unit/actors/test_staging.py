@@ -1,0 +1,99 @@
+"""actors/staging.py: the Triton kernel CUDA engines stage with (run here by Triton's interpreter) writes
+exactly the bytes and non-finite counts of the torch ops, and an unusable kernel falls back to them."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from actors import staging
+from actors.staging import TritonStager, stage_torch
+
+
+def _interpret() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """A child process in which Triton's interpreter runs the kernel on CPU tensors. The switch is read
+    when triton is imported, so it is set before, in a process of its own: this one's triton stays as is."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_interpret) as pool:
+        yield pool
+
+
+def _triton_stage(lengths, t, h, k, seed):
+    body, bad = _stage(TritonStager(), _layers(lengths, t, h, k, seed), lengths)
+    return body.numpy(), bad
+
+
+def _triton_checked() -> bool:
+    return isinstance(TritonStager.checked("cpu"), TritonStager)
+
+
+def _layers(lengths, t, h, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    layers = [(torch.randn(len(lengths), t, h, generator=gen) * 8).to(torch.bfloat16) for _ in range(k + 1)]
+    # Non-finite values at random places, padded positions included (those must not count).
+    for x in layers:
+        flat = x.view(-1)
+        at = torch.randint(0, flat.numel(), (6,), generator=gen)
+        flat[at[:2]], flat[at[2:4]], flat[at[4:]] = float("nan"), float("inf"), float("-inf")
+    return layers
+
+
+def _stage(fill, layers, lengths):
+    h = layers[-1].shape[-1]
+    sizes = [2 * n * len(layers) * h for n in lengths]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    body = torch.full((int(offsets[-1]),), 0xAB, dtype=torch.uint8)  # a byte left unwritten shows
+    bad = torch.zeros(layers[-1].shape[:2], dtype=torch.int32)
+    fill(layers, lengths, offsets, body, bad)
+    return body, [int(bad[row, :n].sum()) for row, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize(
+    "lengths, t, h, k",
+    [([5, 64, 65, 1], 70, 40, 3), ([130], 130, 128, 1), ([3, 2], 9, 64, 0), ([200, 17, 128], 200, 72, 2)],
+)
+def test_the_triton_kernel_writes_the_torch_ops_bytes_and_counts(interpreter, lengths, t, h, k):
+    layers = _layers(lengths, t, h, k, seed=len(lengths) * h)
+    want, want_bad = _stage(stage_torch, layers, lengths)
+    got, got_bad = interpreter.submit(_triton_stage, lengths, t, h, k, len(lengths) * h).result()
+    assert got_bad == want_bad
+    assert sum(want_bad) > 0  # the batch did carry non-finite values in real positions
+    assert np.array_equal(got, want.numpy())
+    expected_nonfinite = sum(int((~torch.isfinite(x[row, :n])).sum()) for x in layers for row, n in enumerate(lengths))
+    assert sum(got_bad) == expected_nonfinite
+
+
+def test_a_kernel_that_disagrees_leaves_the_torch_ops_in_place(monkeypatch, caplog):
+    def off_by_one_byte(self, layers, lengths, offsets, body, bad):
+        stage_torch(layers, lengths, offsets, body, bad)
+        body[len(body) // 2] ^= 1
+
+    monkeypatch.setattr(staging, "_build_kernel", lambda: None)
+    monkeypatch.setattr(TritonStager, "__call__", off_by_one_byte)
+    with caplog.at_level(logging.WARNING, logger="actors.staging"):
+        assert TritonStager.checked("cpu") is None
+    assert "bytes equal: False" in caplog.text
+
+
+def test_without_triton_the_torch_ops_stage(monkeypatch, caplog):
+    def missing():
+        raise ModuleNotFoundError("No module named 'triton'")
+
+    monkeypatch.setattr(staging, "_build_kernel", missing)
+    with caplog.at_level(logging.WARNING, logger="actors.staging"):
+        assert TritonStager.checked("cpu") is None
+    assert "No module named 'triton'" in caplog.text
+
+
+def test_the_check_passes_a_kernel_that_agrees(interpreter):
+    assert interpreter.submit(_triton_checked).result()
