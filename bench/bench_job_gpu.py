@@ -251,7 +251,10 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", default="8192,16384,32768")
     ap.add_argument("--batch-size", type=int, default=128, help="samples per job batch (one shard)")
-    ap.add_argument("--batches-per-actor", type=int, default=8)
+    # 16 x 128 requests in one actor's pool: the hf engine fills each forward from all of them, and with
+    # 1,024 (8 batches) its forwards were smaller and more padded (0.881 against 0.919 of the bare engine,
+    # one run, bench/results/job_h200.json).
+    ap.add_argument("--batches-per-actor", type=int, default=16)
     ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
     ap.add_argument("--actors", default="1", help="runs: N or N@DIR (that run's output under DIR), comma separated")
     ap.add_argument("--disk-test-gb", type=float, default=0.0, help="first measure each output directory's write rate")
