@@ -15,11 +15,12 @@ the same code for both engines. One worker thread owns the model:
 - Forward hooks on the chosen decoder layers and on the final norm keep only what is stored (aux layer
   i = output of decoder layer i = HF `hidden_states[i+1]`; final = after the final norm, the SGLang path's
   convention) and the base model runs without the LM head (SGLang computes logits for one position only).
-- On CUDA each request's states are split into the codec's byte planes (one transpose per layer for the
-  whole batch, then a copy per request) and counted for non-finite values on the device, then copied in
-  one asynchronous transfer per batch into pinned memory on a side stream; a finisher thread waits for
-  that copy and resolves the futures while the next batch already runs. At most two batches are in
-  flight, which bounds device and pinned memory.
+- On CUDA each request's states are split into the codec's byte planes and counted for non-finite values
+  on the device (actors/staging.py: one Triton kernel launch per layer, or torch ops where the kernel is
+  not usable), and the forward thread goes on to the next forward. A finisher thread allocates pinned
+  memory, copies the batch into it in one asynchronous transfer on a side stream, waits for that copy and
+  resolves the futures while the next batch already runs. At most two batches wait for the finisher,
+  which bounds device and pinned memory.
 - On CUDA, start() runs one full forward of `max_batch_tokens` before it returns (`_warm_up`): a size the
   device cannot hold is refused at start, and the job's first batches do not pay for kernel loading and
   memory pools growing.
