@@ -23,6 +23,7 @@ Two implementations with the same output:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -120,12 +121,15 @@ class TritonStager:
         if staging.is_cuda:
             meta = meta.pin_memory().to(staging.device, non_blocking=True)
         grid = (b, -(-t // self.BLOCK_T), -(-h // self.BLOCK_H))
-        for k, states in enumerate(layers):
-            bits = states.view(torch.int16)
-            if bits.stride(-1) != 1:
-                bits = bits.contiguous()
-            self.kernel[grid](bits, bits.stride(0), bits.stride(1), staging, meta, bad, bad.stride(0), h, w, k * h,
-                              LAST=k == len(aux), BLOCK_T=self.BLOCK_T, BLOCK_H=self.BLOCK_H)  # fmt: skip
+        # Triton launches on the current device, torch ops on their tensors' (an engine on cuda:1 with the
+        # thread's current device 0 would hand one device's pointers to the other).
+        with torch.cuda.device(staging.device) if staging.is_cuda else contextlib.nullcontext():
+            for k, states in enumerate(layers):
+                bits = states.view(torch.int16)
+                if bits.stride(-1) != 1:
+                    bits = bits.contiguous()
+                self.kernel[grid](bits, bits.stride(0), bits.stride(1), staging, meta, bad, bad.stride(0), h, w, k * h,
+                                  LAST=k == len(aux), BLOCK_T=self.BLOCK_T, BLOCK_H=self.BLOCK_H)  # fmt: skip
 
     @classmethod
     def checked(cls, device) -> TritonStager | None:
