@@ -46,7 +46,7 @@ import numpy as np
 from actors.dump import Capture
 from actors.sglang_engine import RequestResult
 from actors.sglang_server import EngineDied
-from actors.staging import TritonStager, stage_torch
+from actors.staging import TritonStager, plane_offsets, stage_torch
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class HFEngine:
         """Counters so far: forwards, tokens (real and padded), the forward/finisher threads' seconds and
         the wall clock of the first forward and of the last results."""
         return {"forwards": self.batches, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
-                "staging": "triton" if isinstance(getattr(self, "_stager", None), TritonStager) else "torch",
+                "staging": "triton" if isinstance(self._stager, TritonStager) else "torch",
                 **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
                 "first_forward_unix": self.first_forward_unix, "last_done_unix": self.last_done_unix}  # fmt: skip
 
@@ -458,12 +458,8 @@ class HFEngine:
     def _bare(self, batch: list[_Request]):
         if not self.cuda:
             return None
-        import torch
-
-        done = torch.cuda.Event(enable_timing=True)
-        done.record()
-        self._marks["end"] = done
-        return batch, done
+        self._mark("end")()
+        return batch, self._marks["end"]
 
     def _resolve_bare(self, batch: list[_Request]) -> None:
         now = time.monotonic()
@@ -483,8 +479,7 @@ class HFEngine:
         h = last.shape[-1]
         lengths = [len(r.ids) for r in batch]
         w = len(aux) * h
-        sizes = [2 * n * (w + h) for n in lengths]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        offsets = plane_offsets(lengths, len(aux) + 1, h)
         staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
         bad = torch.zeros(last.shape[:2], dtype=torch.int32, device=last.device)
         self._stager([*aux, last], lengths, offsets, staging, bad)

@@ -31,6 +31,12 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
+def plane_offsets(lengths: list[int], layers: int, hidden: int) -> np.ndarray:
+    """Where each request's body starts in the staging buffer, and its end ([B + 1], int64): a request
+    of n tokens holds 2 bytes per value of `layers` layers of `hidden` channels."""
+    return np.concatenate([[0], np.cumsum([2 * n * layers * hidden for n in lengths])]).astype(np.int64)
+
+
 def stage_torch(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
     """Fills `staging` (uint8, offsets[-1] bytes) with every request's planes and adds each padded
     position's non-finite count over `layers` (aux..., last; each [B, T, H] bf16) into `bad` (int32 [B, T])."""
@@ -146,8 +152,7 @@ class TritonStager:
             layers[-1][2, 128, 95] = float("inf")
             layers[1][3, 66, 0] = float("-inf")  # past the request's end: not counted, not copied
             layers = [x.to(device) for x in layers]
-            sizes = [2 * n * (k + 1) * h for n in lengths]
-            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            offsets = plane_offsets(lengths, k + 1, h)
             out = []
             for fill in (stage_torch, stager):
                 staging = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=device)

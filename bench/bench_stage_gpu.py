@@ -76,7 +76,7 @@ def main() -> None:
 
     import torch
 
-    from actors.staging import TritonStager, stage_torch
+    from actors.staging import TritonStager, plane_offsets, stage_torch
 
     cuda = args.device.startswith("cuda")
     h = args.hidden
@@ -93,7 +93,7 @@ def main() -> None:
         lengths[0] = t
         gen = torch.Generator(device=args.device).manual_seed(0)
         layers = [torch.randn(b, t, h, generator=gen, device=args.device).to(torch.bfloat16) for _ in range(4)]
-        offsets = np.concatenate([[0], np.cumsum([2 * n * 4 * h for n in lengths])]).astype(np.int64)
+        offsets = plane_offsets(lengths, 4, h)
         row = {"tokens": sum(lengths)}
         want = None
         for name, fill in methods.items():

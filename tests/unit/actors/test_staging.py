@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actors import staging
-from actors.staging import TritonStager, stage_torch
+from actors.staging import TritonStager, plane_offsets, stage_torch
 
 
 def _interpret() -> None:
@@ -49,9 +49,7 @@ def _layers(lengths, t, h, k, seed):
 
 
 def _stage(fill, layers, lengths):
-    h = layers[-1].shape[-1]
-    sizes = [2 * n * len(layers) * h for n in lengths]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    offsets = plane_offsets(lengths, len(layers), layers[-1].shape[-1])
     body = torch.full((int(offsets[-1]),), 0xAB, dtype=torch.uint8)  # a byte left unwritten shows
     bad = torch.zeros(layers[-1].shape[:2], dtype=torch.int32)
     fill(layers, lengths, offsets, body, bad)
