@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml scripts/requirements.lock
 	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install --quiet --no-deps -r scripts/requirements.lock
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
-	$(BIN)/python -m pipeline.model
+	$(BIN)/python -m pipeline.intake.model
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,7 +2,7 @@
 
 Layout: 8-byte little-endian header length, a JSON header, then the aux planes [2, K*H, T] and the final
 planes [2, H, T] as uint8 (bf16 bits split into a low and a high byte plane, channel-major: the layout the
-shard codec stores, pipeline/codec.py).
+shard codec stores, pipeline/format/codec.py).
 
 `read_dump` reads and checks only the header and the file size, and keeps the file open: the engine unlinks
 the dump at once (the open descriptor keeps its bytes), validation needs nothing more, and the body is read
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.codec import Codec, from_planes
+from pipeline.format.codec import Codec, from_planes
 
 _MAX_HEADER = 1 << 20
 

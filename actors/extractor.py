@@ -26,11 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 import pyarrow as pa
 
 from actors.metrics import ExtractorMetrics
-from actors.sglang_engine import SGLangEngine
+from actors.engine import Engine, engine_class
 from actors.validate import check_capture
-from pipeline.manifest import ERROR_DIR
-from pipeline.shards import EncodedSample, ShardLayout, ShardWriter, encode_sample, ids_digest
-from pipeline.storage import Store
+from pipeline.format.manifest import ERROR_DIR
+from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter, encode_sample, ids_digest
+from pipeline.format.storage import Store
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +54,15 @@ RESULT_SCHEMA = pa.schema(
 
 
 class HiddenStateExtractor:
-    def __init__(self, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int, encode_threads: int | None = None,
-                 engine_class=SGLangEngine):  # fmt: skip
+    def __init__(self, engine_name: str, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int,
+                 encode_threads: int | None = None):  # fmt: skip
         self.layout = layout
         self.retries = retries
         self.store = Store(output_url)
         self.metrics = ExtractorMetrics()
         self._order = itertools.count()
         self.pool = ThreadPoolExecutor(encode_threads or min(16, os.cpu_count() or 1), thread_name_prefix="encode")
-        self.engine = engine_class(**engine_kwargs).start()
+        self.engine: Engine = engine_class(engine_name)(**engine_kwargs).start()
         self.actor = f"{socket.gethostname()}:{os.getpid()}"
         self.ready_unix = time.time()
 
@@ -91,8 +91,8 @@ class HiddenStateExtractor:
             failed, latency = self._capture(todo, shard)
             results = self._commit(rows, failed, latency, shard)
         self.metrics.record(results)
-        counters = getattr(self.engine, "stats", None)  # the hf engine keeps them; the SGLang one does not
-        engine_stats = json.dumps(counters()) if counters else ""
+        counters = self.engine.stats()
+        engine_stats = json.dumps(counters) if counters else ""
         for r in results:
             r.update(actor=self.actor, engine_ready_unix=self.ready_unix, batch_started_unix=started, engine_stats=engine_stats)
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)

@@ -49,10 +49,10 @@ def main() -> None:
     import pyarrow as pa
 
     import actors.extractor as extractor
-    from actors.hf_engine import HFEngine
-    from pipeline import model as model_lib
-    from pipeline.job import default_aux_layers
-    from pipeline.shards import ShardLayout
+    from actors.hf.engine import HFEngine
+    from pipeline.intake import model as model_lib
+    from pipeline.driver.plan import default_aux_layers
+    from pipeline.format.shards import ShardLayout
 
     extractor.ExtractorMetrics = _NoMetrics
     prompts = [json.loads(line) for line in args.prompts.open()]
@@ -85,7 +85,7 @@ def main() -> None:
     ]
     shutil.rmtree(args.out_dir, ignore_errors=True)
     engine_kwargs = dict(model_dir=str(args.model), aux_layers=aux, device=args.device, max_batch_tokens=args.max_batch_tokens)
-    stage = extractor.HiddenStateExtractor(engine_kwargs, layout, str(args.out_dir), retries=0, engine_class=HFEngine)
+    stage = extractor.HiddenStateExtractor("hf", engine_kwargs, layout, str(args.out_dir), retries=0)
     try:
         stage.engine.capture(warm)
         stage.engine.reset_stats()

@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from actors.dump import dump_path, read_dump  # noqa: E402
 from actors.validate import check_capture  # noqa: E402
-from pipeline.shards import EncodedSample, ShardLayout, ShardWriter  # noqa: E402
-from pipeline.storage import Store  # noqa: E402
+from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter  # noqa: E402
+from pipeline.format.storage import Store  # noqa: E402
 
 K = 3
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -59,9 +59,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gil_probe_cpu.json")
     args = ap.parse_args()
 
-    from pipeline.codec import Codec
-    from pipeline.shards import EncodedSample, ShardLayout, ShardWriter
-    from pipeline.storage import Store
+    from pipeline.format.codec import Codec
+    from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter
+    from pipeline.format.storage import Store
 
     tokens, h = 1000, 4096
     width = 4 * h  # 3 aux layers + the final state

@@ -3,7 +3,7 @@
   python bench/bench_job_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b|tiny] [--prompts 1000]
                                 [--min-len 128] [--max-len 2048] [--batch-tokens 8192,16384,32768]
                                 [--actors 1,2,1@TMPFS_DIR] [--disk-test-gb 8] [--variant NAME:KEY=VAL,...]
-                                [--device cuda|cpu]
+                                [--device cuda|cpu] [--engine-defaults]
                                 [--out bench/results/job_gpu.json]
 
 1. A random-init model of the requested shape (8b: Llama-3-8B, H=4096, 32 layers, GQA 32/8, MLP 14336) with
@@ -86,9 +86,9 @@ def make_prompts(work: Path, n: int, lo: int, hi: int, vocab: int) -> tuple[Path
 
 
 def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: str) -> dict:
-    from actors.hf_engine import HFEngine
-    from pipeline.job import default_aux_layers
-    from pipeline.model import num_hidden_layers
+    from actors.hf.engine import HFEngine
+    from pipeline.driver.plan import default_aux_layers
+    from pipeline.intake.model import num_hidden_layers
 
     aux = default_aux_layers(num_hidden_layers(model_dir))
     eng = HFEngine(str(model_dir), aux, device=device, capture=False, max_batch_tokens=max(sweep)).start()
@@ -119,8 +119,8 @@ def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, de
     """The capturing engine alone, then with the actor's encoding (16 threads, no disk): where time goes."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from actors.hf_engine import HFEngine
-    from pipeline.codec import Codec
+    from actors.hf.engine import HFEngine
+    from pipeline.format.codec import Codec
 
     tokens = sum(len(p) for p in prompts)
     out = {}
@@ -172,15 +172,17 @@ def disk_rate(root: Path, gb: float, writers: int = 4) -> dict:
     return {"bytes": total, "seconds": round(dt, 2), "gb_per_s": round(total / dt / 1e9, 3), "writers": writers}
 
 
-def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int, device: str, batch_size: int,
-        batches_per_actor: int, extra_sets: tuple[str, ...] = ()) -> dict:  # fmt: skip
+def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int | None, device: str,
+        batch_size: int | None, batches_per_actor: int | None, extra_sets: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """One `harvest run`; a setting passed as None is left to the engine's own default for the device."""
     out = work / f"out-{actors}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
-    sets = [f"input.path={prompts}", f"model.path={model_dir}", f"output.path={out}", "engine.name=hf",
-            f"engine.device={device}", f"engine.num_actors={actors}", f"engine.max_batch_tokens={batch_tokens}",
-            f"engine.batches_per_actor={batches_per_actor}", f"extract.batch_size={batch_size}", "extract.max_tokens=4096",
-            "progress.interval_s=5", *extra_sets]  # fmt: skip
+    chosen = {"engine.num_actors": actors if actors != 1 else None, "engine.max_batch_tokens": batch_tokens,
+              "engine.batches_per_actor": batches_per_actor, "extract.batch_size": batch_size}  # fmt: skip
+    sets = [f"input.path={prompts}", f"model.path={model_dir}", f"output.path={out}", "engine.name=hf", f"engine.device={device}",
+            *(f"{k}={v}" for k, v in chosen.items() if v is not None), "extract.max_tokens=4096", "progress.interval_s=5",
+            *extra_sets]  # fmt: skip
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [a for s in sets for a in ("--set", s)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -250,11 +252,12 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", default="8192,16384,32768")
-    ap.add_argument("--batch-size", type=int, default=128, help="samples per job batch (one shard)")
-    # 16 x 128 requests in one actor's pool: the hf engine fills each forward from all of them, and with
-    # 1,024 (8 batches) its forwards were smaller and more padded (0.881 against 0.919 of the bare engine,
-    # one run, bench/results/job_h200.json).
-    ap.add_argument("--batches-per-actor", type=int, default=16)
+    # Unset: the hf engine's own defaults for the device (conf/schema.py HFEngineConfig: on a GPU 16 batches
+    # of 128, whose pool it fills each forward from).
+    ap.add_argument("--batch-size", type=int, help="samples per job batch (one shard); default: the engine's")
+    ap.add_argument("--batches-per-actor", type=int, help="default: the engine's")
+    ap.add_argument("--engine-defaults", action="store_true",
+                    help="the job runs with the engine's default max_batch_tokens instead of the bare engine's best")
     ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
     ap.add_argument("--actors", default="1", help="runs: N or N@DIR (that run's output under DIR), comma separated")
     ap.add_argument("--disk-test-gb", type=float, default=0.0, help="first measure each output directory's write rate")
@@ -303,8 +306,8 @@ def main() -> None:
         result["engine_only"] = engine_only(model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"])
         save()
     for actors, root, variant, extra in runs:
-        r = job(root, model_dir, prompts_path, actors, base["best_max_batch_tokens"], args.device, args.batch_size,
-                args.batches_per_actor, extra)  # fmt: skip
+        batch_tokens = None if args.engine_defaults else base["best_max_batch_tokens"]
+        r = job(root, model_dir, prompts_path, actors, batch_tokens, args.device, args.batch_size, args.batches_per_actor, extra)
         if variant:
             r["variant"] = variant
         if not r.get("failed"):

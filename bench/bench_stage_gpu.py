@@ -4,7 +4,7 @@
 
 Random bf16 states of 3 aux layers and the final norm, [B, T, H], for a few batch shapes of about 64k and
 32k padded tokens (lengths within 5 % of T). Three ways to the same bytes and non-finite counts
-(actors/staging.py): `triton` (one kernel launch per layer; CUDA only), `torch_ops` (one transpose per
+(actors/hf/staging.py): `triton` (one kernel launch per layer; CUDA only), `torch_ops` (one transpose per
 layer of the whole batch, then a copy of whole rows per request), and `per_token_split` (the method before
 those: per request, the aux layers concatenated, then each token's bytes split into the two planes). For
 each: the device time (CUDA events; wall time on a CPU) and the host time to issue the work (what the
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def per_token_split(layers, lengths, offsets, staging, bad) -> None:
-    """The staging before actors/staging.py, kept here as the baseline: the same bytes, token by token."""
+    """The staging before actors/hf/staging.py, kept here as the baseline: the same bytes, token by token."""
     import torch
 
     *aux, last = layers
@@ -76,7 +76,7 @@ def main() -> None:
 
     import torch
 
-    from actors.staging import TritonStager, plane_offsets, stage_torch
+    from actors.hf.staging import TritonStager, plane_offsets, stage_torch
 
     cuda = args.device.startswith("cuda")
     h = args.hidden
@@ -113,7 +113,7 @@ def main() -> None:
         shapes[f"T{t}xB{b}"] = row
         print(f"T{t}xB{b}", row, flush=True)
     result = {
-        "benchmark": "hf engine capture staging (actors/staging.py): Triton kernel, torch ops, per-token byte split",
+        "benchmark": "hf engine capture staging (actors/hf/staging.py): Triton kernel, torch ops, per-token byte split",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "command": shlex.join(["python", "bench/bench_stage_gpu.py"] + sys.argv[1:]),
         "machine": torch.cuda.get_device_name(0) if cuda else "cpu",

@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.codec import Codec, to_planes  # noqa: E402
-from pipeline.manifest import read_manifest  # noqa: E402
-from pipeline.shards import ShardLayout, build_table, decode_row, encode_bits, list_shards, read_layout, write_shard  # noqa: E402
-from pipeline.storage import Store  # noqa: E402
+from pipeline.format.codec import Codec, to_planes  # noqa: E402
+from pipeline.format.manifest import read_manifest  # noqa: E402
+from pipeline.format.shards import ShardLayout, build_table, decode_row, encode_bits, list_shards, read_layout, write_shard  # noqa: E402
+from pipeline.format.storage import Store  # noqa: E402
 
 
 def _format1_bytes(samples: list[dict]) -> int:

@@ -5,7 +5,7 @@
                                    [--out bench/results/throughput_cpu.json]
 
 Two prompt sets, each measured on the same samples:
-  shipped: the config's input, tokenized as the job does (pipeline.tokenize.Tokenize).
+  shipped: the config's input, tokenized as the job does (pipeline.intake.tokenize.Tokenize).
   short:   N short pre-tokenized prompts (48..1024 tokens, fixed seed), windows cut from the token stream
            of the shipped conversations' text, written as `{"id", "input_ids"}` rows to a temp JSONL.
 For each set:
@@ -41,12 +41,12 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from actors.sglang_server import SGLangServer, ServerSpec  # noqa: E402
+from actors.sglang.server import SGLangServer, ServerSpec  # noqa: E402
 from conf import load_config  # noqa: E402
-from pipeline.job import default_aux_layers  # noqa: E402
-from pipeline.model import num_hidden_layers, resolve_model  # noqa: E402
-from pipeline.normalize import BadRow, parse_line  # noqa: E402
-from pipeline.tokenize import Tokenize  # noqa: E402
+from pipeline.driver.plan import default_aux_layers  # noqa: E402
+from pipeline.intake.model import num_hidden_layers, resolve_model  # noqa: E402
+from pipeline.intake.normalize import BadRow, parse_line  # noqa: E402
+from pipeline.intake.tokenize import Tokenize  # noqa: E402
 
 WINDOWS = (8, 16, 32)
 SHORT_MIN, SHORT_MAX = 48, 1024

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors.hf_engine import HFEngine  # noqa: E402
+from actors.hf.engine import HFEngine  # noqa: E402
 from actors.validate import check_capture  # noqa: E402
 
 

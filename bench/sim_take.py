@@ -1,5 +1,5 @@
-"""The hf engine's batching (HFEngine._take, the real one) simulated on the job's request pattern: padding
-and forward count for settings of MAX_PADDING and MIN_FILL, no model and no device.
+"""The hf engine's batching (actors/hf/batching.take_batch, the real one) simulated on the job's request pattern: padding
+and forward count for settings of max_padding and min_fill, no model and no device.
 
   python bench/sim_take.py [--prompts 1280] [--min-len 128] [--max-len 2048] [--batch-size 128] [--calls 8]
                            [--max-batch-tokens 65536] [--seeds 0,1,2] [--out bench/results/take_simulation.json]
@@ -26,12 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import actors.hf_engine as hf  # noqa: E402
+import actors.hf.engine as hf  # noqa: E402
+from actors.hf.batching import BatchPolicy, take_batch  # noqa: E402
 
 
-def simulate(lengths: list[int], batch_size: int, calls: int, max_batch_tokens: int) -> dict:
+def simulate(lengths: list[int], batch_size: int, calls: int, policy: BatchPolicy) -> dict:
     batches = [lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
-    eng = hf.HFEngine("unused", (0,), max_batch_tokens=max_batch_tokens)  # _take needs no model
     pool: list[hf._Request] = []
     left: dict[int, int] = {}
     submitted = 0
@@ -47,7 +47,7 @@ def simulate(lengths: list[int], batch_size: int, calls: int, max_batch_tokens: 
     padded = forwards = 0
     running: list[hf._Request] = []
     while pool or running:
-        nxt = eng._take(pool) if pool else []  # taken while the current forward runs
+        nxt = take_batch(pool, policy) if pool else []  # taken while the current forward runs
         for r in running:  # the current forward ends: its caller batches may complete
             b = int(r.order)
             left[b] -= 1
@@ -77,14 +77,13 @@ def main() -> None:
     runs = []
     for max_padding in (0.03, 0.02, 0.015):
         for min_fill in (0.25, 0.125, 0.0625):
-            hf.MAX_PADDING, hf.MIN_FILL = max_padding, min_fill
-            per_seed = [simulate(draws[s], args.batch_size, args.calls, args.max_batch_tokens) for s in seeds]
+            policy = BatchPolicy(args.max_batch_tokens, max_padding, min_fill)
+            per_seed = [simulate(draws[s], args.batch_size, args.calls, policy) for s in seeds]
             runs.append({"max_padding": max_padding, "min_fill": min_fill, "per_seed": per_seed})
     # The bare engine's pattern: every request at once, one order.
-    hf.MAX_PADDING, hf.MIN_FILL = 0.03, 0.125
-    bare = [simulate(draws[s], args.prompts, 1, args.max_batch_tokens) for s in seeds]
+    bare = [simulate(draws[s], args.prompts, 1, BatchPolicy(args.max_batch_tokens, 0.03, 0.125)) for s in seeds]
     result = {
-        "benchmark": "HFEngine._take simulated on the job's request pattern (no model, no device)",
+        "benchmark": "take_batch simulated on the job's request pattern (no model, no device)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "command": shlex.join(["python", "bench/sim_take.py"] + sys.argv[1:]),
         "pattern": {k: getattr(args, k) for k in ("prompts", "min_len", "max_len", "batch_size", "calls", "max_batch_tokens")},

@@ -6,7 +6,7 @@ Each component receives only its own section. GPU counts are derived here, in on
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,31 +33,46 @@ class ModelConfig(_Strict):
     path: str = "default"
 
 
-class EngineConfig(_Strict):
-    # sglang: a real SGLang server per actor with the capture hook (patches/);
-    # hf: transformers in the actor's own process (actors/hf_engine.py): no server, the same shards.
-    name: Literal["sglang", "hf"] = "sglang"
-    # "auto" uses GPUs when Ray sees any, else SGLang's CPU mode.
+class _EngineBase(_Strict):
+    """What every engine has. Each engine's class adds its own knobs and its defaults for each device;
+    a knob of another engine is an unknown key (`--set engine.name=hf` then drops nothing silently)."""
+
+    # "auto" uses GPUs when Ray sees any, else the CPU (SGLang's CPU mode, or transformers on the CPU).
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tp_size: int = Field(1, ge=1)
     num_actors: int = Field(1, ge=1)
+    # Batches one actor holds at once: while one is validated, encoded and committed, the next is captured.
+    # None: the engine's measured best for the device (BATCHES below).
+    batches_per_actor: int | None = Field(None, ge=1)
+    # CPUs Ray reserves per actor (the engine's threads come on top).
+    cpus_per_actor: float = Field(1.0, gt=0)
+    # CPU only: threads the engine's torch may use (None: this host's cores / num_actors).
+    # Ray pins OMP_NUM_THREADS to the actor's num_cpus, which would leave the engine one thread.
+    cpu_threads: int | None = Field(None, ge=1)
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+    # (batches per actor, samples per batch) when not set, on (cpu, cuda).
+    BATCHES: ClassVar[dict[bool, tuple[int, int]]] = {False: (2, 32), True: (2, 32)}
+
+    def batches(self, cuda: bool) -> int:
+        return self.batches_per_actor or self.BATCHES[cuda][0]
+
+    def default_batch_size(self, cuda: bool) -> int:
+        return self.BATCHES[cuda][1]
+
+    def gpus_per_actor(self, cuda: bool) -> int:
+        return self.tp_size if cuda else 0
+
+
+class SGLangEngineConfig(_EngineBase):
+    # A real SGLang server per actor with the capture hook (patches/).
+    name: Literal["sglang"] = "sglang"
     # Requests one actor keeps in flight against its server (shared by all its batches).
     max_in_flight: int = Field(8, ge=1)
-    # Batches one actor holds at once: while one is validated, encoded and committed, the next is captured.
-    batches_per_actor: int = Field(2, ge=1)
-    # CPUs Ray reserves per actor (the server's threads come on top).
-    cpus_per_actor: float = Field(1.0, gt=0)
-    # CPU mode only: threads the server's torch may use (None: this host's cores / num_actors).
-    # Ray pins OMP_NUM_THREADS to the actor's num_cpus, which would leave the server one thread.
-    cpu_threads: int | None = Field(None, ge=1)
     # Prefill chunk size in tokens: bounds prefill memory (hybrid-attention models need chunking); the hook
     # assembles each request's chunks, so long prompts come out whole. -1 turns chunking off.
     chunked_prefill_size: int = Field(8192, ge=-1)
-    # hf engine only: padded tokens per forward (requests are batched by length up to this). On CUDA the
-    # engine runs one forward of this size at start, so a size the GPU cannot hold is refused there.
-    max_batch_tokens: int = Field(16384, ge=1)
     server_flags: tuple[str, ...] = ()
-    startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
     # How long a dump may take to appear after its answer (the hook publishes from a thread).
     dump_timeout_s: float = Field(30.0, gt=0)
@@ -69,8 +84,29 @@ class EngineConfig(_Strict):
             raise ValueError("chunked_prefill_size must be a positive number of tokens, or -1 for no chunking")
         return v
 
-    def gpus_per_actor(self, cuda: bool) -> int:
-        return self.tp_size if cuda else 0
+
+class HFEngineConfig(_EngineBase):
+    # transformers in the actor's own process (actors/hf/engine.py): no server, the same shards.
+    name: Literal["hf"]
+    # Padded tokens per forward (requests are batched by length up to this). On CUDA the engine runs one
+    # forward of this size at start, so a size the GPU cannot hold is refused there.
+    max_batch_tokens: int = Field(16384, ge=1)
+
+    # On a GPU the engine fills each forward from the requests of every batch it holds: 16 batches of 128
+    # reached 0.92 of the bare engine on the H200 where 2 of 32 left it idle between batches
+    # (bench/results/job_h200.json).
+    BATCHES: ClassVar[dict[bool, tuple[int, int]]] = {False: (2, 32), True: (16, 128)}
+
+    @field_validator("tp_size")
+    @classmethod
+    def _one_device(cls, v):
+        if v != 1:
+            raise ValueError("the hf engine runs on one device; tp_size must be 1 (use engine.name=sglang for tensor parallelism)")
+        return v
+
+
+ENGINE_CONFIGS = {c.model_fields["name"].annotation.__args__[0]: c for c in (SGLangEngineConfig, HFEngineConfig)}
+EngineConfig = Annotated[Union[SGLangEngineConfig, HFEngineConfig], Field(discriminator="name")]
 
 
 class ExtractConfig(_Strict):
@@ -82,9 +118,9 @@ class ExtractConfig(_Strict):
     overlength: Literal["truncate", "reject"] = "reject"
     # Extra attempts for a sample whose capture fails validation.
     retries: int = Field(2, ge=0)
-    # Samples per actor batch; one batch becomes one shard.
-    batch_size: int = Field(32, ge=1)
-    # Where a conversation's samples and masks come from (pipeline/turns.py): full = rendered once, every
+    # Samples per actor batch; one batch becomes one shard. None: the engine's default for the device.
+    batch_size: int | None = Field(None, ge=1)
+    # Where a conversation's samples and masks come from (pipeline/intake/turns.py): full = rendered once, every
     # assistant turn masked as the template renders it there; each = one sample per assistant turn, rendered
     # as the model saw it when it generated that turn (ids <id>#<k>); auto = full where the template is
     # prefix-stable for the conversation (same signal, fewer tokens), each where it is not.
@@ -114,7 +150,7 @@ class OutputConfig(_Strict):
     # Local directory or s3://bucket/prefix.
     path: str
     # planes_zstd: bf16 bits as byte planes, the high plane zstd-compressed (~0.70 of raw);
-    # raw: the same planes uncompressed, for storage faster than the CPUs can compress. See pipeline/codec.py.
+    # raw: the same planes uncompressed, for storage faster than the CPUs can compress. See pipeline/format/codec.py.
     encoding: Literal["planes_zstd", "raw"] = "planes_zstd"
     zstd_level: int = Field(1, ge=1, le=22)
     # Threads one actor uses to compress hidden states (None: min(16, this host's cores)).
@@ -140,11 +176,23 @@ class RayConfig(_Strict):
 class HarvestConfig(_Strict):
     input: InputConfig
     model: ModelConfig = ModelConfig()
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = SGLangEngineConfig()
     extract: ExtractConfig = ExtractConfig()
     output: OutputConfig
     progress: ProgressConfig = ProgressConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_name(cls, data):
+        # engine.name chooses the engine's config class; a section that does not name one is SGLang's.
+        engine = data.get("engine") if isinstance(data, dict) else None
+        if isinstance(engine, dict) and "name" not in engine:
+            data = {**data, "engine": {**engine, "name": "sglang"}}
+        return data
+
+    def batch_size(self, cuda: bool) -> int:
+        return self.extract.batch_size or self.engine.default_batch_size(cuda)
 
     @model_validator(mode="after")
     def _engine_fits(self):
@@ -166,8 +214,17 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
+        loc = list(e["loc"])
+        engine = loc[1] if loc[:1] == ["engine"] and len(loc) > 2 and loc[1] in ENGINE_CONFIGS else None
+        if engine:  # pydantic names the union member: engine.hf.max_in_flight -> engine.max_in_flight
+            del loc[1]
+        where = ".".join(str(p) for p in loc)
+        owners = [n for n, c in ENGINE_CONFIGS.items() if n != engine and loc[-1] in c.model_fields] if engine else []
+        if e["type"] == "extra_forbidden" and owners:
+            lines.append(f"  {where}: not a setting of engine.name={engine} (it belongs to engine.name={owners[0]})")
+        elif e["type"] == "union_tag_invalid":
+            lines.append(f"  {where}: engine.name must be one of {sorted(ENGINE_CONFIGS)}")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"  {where}: unknown key (check the spelling against conf/default.yaml)")
         elif e["type"] == "missing":
             lines.append(f"  {where}: required")

@@ -38,8 +38,8 @@ def _init_ray(cfg) -> None:
 
 def cmd_run(args) -> int:
     from conf import load_config
-    from pipeline.job import run
-    from pipeline.progress import human_bytes
+    from pipeline.driver.job import run
+    from pipeline.format.storage import human_bytes
 
     cfg = load_config(args.config, args.set or [])
     _init_ray(cfg)
@@ -64,14 +64,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from pipeline.inspect import summarize
+    from pipeline.tools.inspect import summarize
 
     print(summarize(args.output))
     return 0
 
 
 def cmd_verify(args) -> int:
-    from pipeline.verify import verify
+    from pipeline.tools.verify import verify
 
     report = verify(args.output)
     print(report.text(args.output))
@@ -79,7 +79,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from pipeline.audit import Thresholds, audit
+    from pipeline.tools.audit import Thresholds, audit
 
     samples = None if args.samples == "all" else int(args.samples)
     report = audit(args.output, samples=samples, device=args.device, seed=args.seed, model=args.model,
@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging()
     from conf import ConfigError
-    from pipeline.audit import AuditError
-    from pipeline.budget import InsufficientSpace
-    from pipeline.failures import failure_message
-    from pipeline.lock import OutputLocked
-    from pipeline.manifest import SettingsMismatch
-    from pipeline.preflight import PreflightError
-    from pipeline.storage import redact
+    from pipeline.tools.audit import AuditError
+    from pipeline.driver.budget import InsufficientSpace
+    from pipeline.driver.failures import failure_message
+    from pipeline.format.lock import OutputLocked
+    from pipeline.format.manifest import SettingsMismatch
+    from pipeline.driver.preflight import PreflightError
+    from pipeline.format.storage import redact
 
     try:
         return args.fn(args)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 VOCAB_SIZE = 49152  # SmolLM2
 MAX_TOKENS = 256  # the corpus runs with extract.max_tokens=256, so over-length rows stay small and fast
-LINE_LIMIT_BYTES = 2 * 2**20  # the corpus runs with this read limit (pipeline.read.MAX_LINE_BYTES)
+LINE_LIMIT_BYTES = 2 * 2**20  # the corpus runs with this read limit (pipeline.intake.read.MAX_LINE_BYTES)
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,10 @@ def test_actor_killed_and_failed_captures_then_retry_errors(ray_session, e2e_inp
     import psutil
 
     from pipeline.cli import main
-    from pipeline.manifest import read_manifest
-    from pipeline.shards import read_token_columns
-    from pipeline.storage import Store
-    from pipeline.verify import verify
+    from pipeline.format.manifest import read_manifest
+    from pipeline.format.shards import read_token_columns
+    from pipeline.format.storage import Store
+    from pipeline.tools.verify import verify
 
     out = tmp_path / "out"
     env = dict(os.environ, RAY_ADDRESS="", HIDDEN_HARVEST_FAULTS="missing:0.3")

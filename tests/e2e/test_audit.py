@@ -10,12 +10,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.audit import AUDIT_REPORT, AuditError, audit, pick_samples
+from pipeline.tools.audit import AUDIT_REPORT, AuditError, audit, pick_samples
 from pipeline.cli import main
-from pipeline.manifest import MANIFEST, read_manifest, write_manifest
-from pipeline.shards import ShardLayout, decode_row, encode_bits, list_shards, read_layout, write_shard
-from pipeline.storage import Store
-from pipeline.verify import verify
+from pipeline.format.manifest import MANIFEST, read_manifest, write_manifest
+from pipeline.format.shards import ShardLayout, decode_row, encode_bits, list_shards, read_layout, write_shard
+from pipeline.format.storage import Store
+from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +160,7 @@ def _decoded(out):
 
 def test_audit_fails_when_an_aux_layer_holds_its_neighbours_states(copy, model_dir, capsys):
     """Layer 15's block holds layer 16's states (captured by the hf engine in bf16) in the samples audited."""
-    from actors.hf_engine import HFEngine
+    from actors.hf.engine import HFEngine
 
     manifest = read_manifest(Store(str(copy)))
     layers, h = manifest["aux_layers"], manifest["hidden_size"]

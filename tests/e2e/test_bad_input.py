@@ -29,10 +29,10 @@ def corpus_run(ray_session, tmp_path_factory):
 
 
 def test_bad_rows_become_error_rows_and_good_rows_are_extracted(corpus_run, capsys):
-    from pipeline.manifest import read_manifest
-    from pipeline.shards import read_token_columns
-    from pipeline.storage import Store
-    from pipeline.verify import verify
+    from pipeline.format.manifest import read_manifest
+    from pipeline.format.shards import read_token_columns
+    from pipeline.format.storage import Store
+    from pipeline.tools.verify import verify
 
     corpus, root, out, argv, main = corpus_run
     assert main(argv) == 0

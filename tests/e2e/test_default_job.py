@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from pipeline.manifest import read_manifest
-from pipeline.shards import open_shards
-from pipeline.storage import Store
-from pipeline.tokenize import Tokenize
+from pipeline.format.manifest import read_manifest
+from pipeline.format.shards import open_shards
+from pipeline.format.storage import Store
+from pipeline.intake.tokenize import Tokenize
 
 pytestmark = pytest.mark.slow
 

@@ -49,8 +49,8 @@ def _namespaces_work() -> bool:
 
 @pytest.mark.skipif(not _namespaces_work(), reason="needs unprivileged user + mount namespaces (unshare) for a real tmpfs")
 def test_disk_full_during_a_shard_write_then_rerun_after_freeing_space(e2e_input, tmp_path):
-    from pipeline.shards import shard_name
-    from pipeline.verify import verify
+    from pipeline.format.shards import shard_name
+    from pipeline.tools.verify import verify
 
     disk, save = tmp_path / "disk", tmp_path / "save"
     disk.mkdir()

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from actors.sglang_engine import SGLangEngine
+from actors.sglang.engine import SGLangEngine
 from actors.validate import check_capture
 
 pytestmark = pytest.mark.slow
@@ -80,7 +80,7 @@ def test_close_stops_the_server_and_removes_dumps(model_dir):
 _ORPHAN = """
 import sys, time
 from pathlib import Path
-from actors.sglang_server import SGLangServer, ServerSpec
+from actors.sglang.server import SGLangServer, ServerSpec
 server = SGLangServer(ServerSpec(model_dir=Path(sys.argv[1]), aux_layers=(2, 15, 27), dump_dir=Path(sys.argv[2]))).start()
 print(server._proc.pid, flush=True)
 time.sleep(3600)

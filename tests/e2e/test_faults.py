@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.sglang_engine import SGLangEngine
+from actors.sglang.engine import SGLangEngine
 from actors.validate import check_capture
-from pipeline.shards import open_shards
-from pipeline.verify import verify
+from pipeline.format.shards import open_shards
+from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

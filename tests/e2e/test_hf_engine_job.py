@@ -8,16 +8,16 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.manifest import read_manifest
-from pipeline.shards import open_shards
-from pipeline.storage import Store
+from pipeline.format.manifest import read_manifest
+from pipeline.format.shards import open_shards
+from pipeline.format.storage import Store
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def hf_run(ray_session, e2e_input, make_config, tmp_path_factory):
-    from pipeline.job import run
+    from pipeline.driver.job import run
 
     out = tmp_path_factory.mktemp("harvest_hf") / "out"
     summary = run(make_config(e2e_input, out, **{"engine.name": "hf"}))
@@ -61,7 +61,7 @@ def test_stored_states_match_sglang_within_bf16_noise(hf_run, harvest_run, model
     is within the audit's bound (mean >= 0.9995) of a float32 forward: the difference is bf16 rounding on
     both sides. (Per sample the final state of a few short samples is 0.9993-0.9995: two engines' bf16
     errors add up; a wrong row, layer or sample is below 0.99.)"""
-    from actors.hf_engine import HFEngine
+    from actors.hf.engine import HFEngine
 
     (hf_out, _), (sg_out, _) = hf_run, harvest_run
     manifest = read_manifest(Store(str(sg_out)))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline.verify import verify
+from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from tests_support import harvest_command
 
-from pipeline.manifest import SettingsMismatch, read_manifest
-from pipeline.shards import open_shards
-from pipeline.storage import Store
-from pipeline.verify import verify
+from pipeline.format.manifest import SettingsMismatch, read_manifest
+from pipeline.format.shards import open_shards
+from pipeline.format.storage import Store
+from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_sigkill_then_rerun_is_exactly_once(e2e_input, tmp_path):
 
 
 def test_a_rerun_with_different_data_settings_is_refused(harvest_run, e2e_input, make_config):
-    from pipeline.job import run
+    from pipeline.driver.job import run
 
     out, _ = harvest_run
     before = sorted(p.name for p in (out / "shards").iterdir())
@@ -68,7 +68,7 @@ def test_a_rerun_with_different_data_settings_is_refused(harvest_run, e2e_input,
 
 
 def test_a_rerun_with_the_same_settings_adds_nothing(harvest_run, e2e_input, make_config):
-    from pipeline.job import run
+    from pipeline.driver.job import run
 
     out, first = harvest_run
     summary = run(make_config(e2e_input, out))

@@ -12,11 +12,11 @@ pytestmark = pytest.mark.slow
 def test_job_reads_and_writes_s3_then_resumes_there(ray_session, s3_endpoint, e2e_input, make_config):
     import s3fs
 
-    from pipeline.job import run
-    from pipeline.manifest import read_manifest
-    from pipeline.shards import open_shards
-    from pipeline.storage import Store
-    from pipeline.verify import verify
+    from pipeline.driver.job import run
+    from pipeline.format.manifest import read_manifest
+    from pipeline.format.shards import open_shards
+    from pipeline.format.storage import Store
+    from pipeline.tools.verify import verify
 
     fs = s3fs.S3FileSystem()
     fs.mkdir("hh-bucket")

@@ -34,10 +34,10 @@ def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(s3_chaos, e2
     """Each run is a CLI process with its own local Ray (as a user runs it); the proxy lives in this process."""
     import s3fs
 
-    from pipeline.manifest import read_manifest
-    from pipeline.shards import read_token_columns
-    from pipeline.storage import Store
-    from pipeline.verify import verify
+    from pipeline.format.manifest import read_manifest
+    from pipeline.format.shards import read_token_columns
+    from pipeline.format.storage import Store
+    from pipeline.tools.verify import verify
 
     proxy, direct = s3_chaos
     behind = s3fs.S3FileSystem(endpoint_url=direct)  # looks at moto itself, never through the proxy

@@ -10,17 +10,17 @@ import json
 
 import pytest
 
-from pipeline.manifest import read_manifest
-from pipeline.shards import open_shards
-from pipeline.storage import Store
-from pipeline.verify import verify
+from pipeline.format.manifest import read_manifest
+from pipeline.format.shards import open_shards
+from pipeline.format.storage import Store
+from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def two_actor_run(ray_session, e2e_input, make_config, tmp_path_factory):
-    from pipeline.job import run
+    from pipeline.driver.job import run
 
     out = tmp_path_factory.mktemp("two-actors") / "out"
     cfg = make_config(e2e_input, out, **{"engine.name": "hf", "engine.num_actors": 2, "engine.cpus_per_actor": 0.5,

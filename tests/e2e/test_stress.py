@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.job import run
-from pipeline.shards import open_shards
-from pipeline.verify import verify
+from pipeline.driver.job import run
+from pipeline.format.shards import open_shards
+from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
 LENGTHS = (16, 24, 32)  # few lengths: most samples share theirs with hundreds of others

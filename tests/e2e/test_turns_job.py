@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.manifest import read_manifest
-from pipeline.shards import open_shards
-from pipeline.storage import Store
-from pipeline.tokenize import Tokenize
-from pipeline.verify import verify
+from pipeline.format.manifest import read_manifest
+from pipeline.format.shards import open_shards
+from pipeline.format.storage import Store
+from pipeline.intake.tokenize import Tokenize
+from pipeline.tools.verify import verify
 
 # The shipped sample set (not imported from conftest: under a full run `conftest` names tests/unit's).
 SAMPLE_SET = Path(__file__).resolve().parents[2] / "conf" / "data" / "sample_conversations.jsonl"
@@ -28,7 +28,7 @@ def _agentic_rows(sample_path, n=3):
 
 
 def test_each_gives_one_sample_per_turn_and_resumes(ray_session, make_config, tmp_path, model_dir):
-    from pipeline.job import run
+    from pipeline.driver.job import run
 
     rows = _agentic_rows(SAMPLE_SET)
     rows = [dict(r, id=r.get("id", f"row{i}")) for i, r in enumerate(rows)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pipeline.verify import verify
+from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
 

@@ -80,7 +80,7 @@ def _outputs_text(nb: nbformat.NotebookNode) -> str:
 
 
 def check_executed(nb: nbformat.NotebookNode, output_dir) -> None:
-    from pipeline.shards import open_shards
+    from pipeline.format.shards import open_shards
 
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"notebook produced errors: {[e.get('ename') for e in errors]}"

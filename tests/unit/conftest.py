@@ -14,7 +14,7 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def chat_tokenizer(model_dir):
-    from pipeline.tokenize import ChatTokenizer
+    from pipeline.intake.tokenize import ChatTokenizer
 
     return ChatTokenizer(model_dir)
 

@@ -7,7 +7,7 @@ from conftest import bf16
 
 from actors.dump import DumpError, dump_path, read_dump
 from actors.validate import check_capture
-from pipeline.codec import to_planes
+from pipeline.format.codec import to_planes
 
 
 def bits(rng, rows, cols) -> np.ndarray:
@@ -145,7 +145,7 @@ def test_a_chunk_out_of_order_gives_an_error_dump(publish, tmp_path):
 
 @pytest.mark.parametrize("encoding", ["planes_zstd", "raw"])
 def test_encoding_straight_from_the_file_equals_encoding_the_planes(make_dump, encoding):
-    from pipeline.codec import Codec
+    from pipeline.format.codec import Codec
 
     rng = np.random.default_rng(5)
     aux, last = bits(rng, 300, 48), bits(rng, 300, 16)

@@ -5,11 +5,11 @@ import stat
 import subprocess
 import sys
 
-from actors.sglang_engine import SGLangEngine, make_dump_dir, remove_orphaned_dump_dirs
+from actors.sglang.engine import SGLangEngine, make_dump_dir, remove_orphaned_dump_dirs
 
 
 def test_each_engine_gets_a_private_unique_dump_dir_removed_on_close(tmp_path, monkeypatch):
-    monkeypatch.setattr("actors.sglang_engine.default_dump_root", lambda: tmp_path)
+    monkeypatch.setattr("actors.sglang.engine.default_dump_root", lambda: tmp_path)
     spec = {"model_dir": tmp_path, "aux_layers": (1,), "cpu": True}
     a, b = SGLangEngine(spec, 1, 10), SGLangEngine(spec, 1, 10)  # not started: no server needed
     assert a.spec.dump_dir != b.spec.dump_dir

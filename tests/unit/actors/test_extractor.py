@@ -3,18 +3,20 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from actors.dump import Capture
+import actors.extractor as extractor_module
 from actors.extractor import HiddenStateExtractor, _split_exact
-from actors.sglang_engine import RequestResult
-from pipeline.codec import to_planes
-from pipeline.shards import ShardLayout, open_shards
-from pipeline.shards import ids_digest as batch_digest
-from pipeline.shards import shard_name
+from actors.engine import RequestResult
+from pipeline.format.codec import to_planes
+from pipeline.format.shards import ShardLayout, open_shards
+from pipeline.format.shards import ids_digest as batch_digest
+from pipeline.format.shards import shard_name
 
 
 @pytest.mark.parametrize(
@@ -86,6 +88,9 @@ class StandInEngine:
     def ensure_alive(self):
         pass
 
+    def stats(self):
+        return {}
+
     def submit(self, key, ids, order=0.0):
         with self.lock:
             self.submitted.append(key)
@@ -112,7 +117,9 @@ def batch(tag: str, n: int) -> pa.Table:
 
 
 def make_stage(tmp_path, engine: StandInEngine) -> HiddenStateExtractor:
-    return HiddenStateExtractor({}, LAYOUT, str(tmp_path), retries=1, encode_threads=2, engine_class=lambda: engine)
+    # The stage builds its engine from the registry by name; here the name resolves to the stand-in.
+    with mock.patch.object(extractor_module, "engine_class", lambda name: lambda **_: engine):
+        return HiddenStateExtractor("stand-in", {}, LAYOUT, str(tmp_path), retries=1, encode_threads=2)
 
 
 def test_two_batches_share_the_window_and_commit_once_each(tmp_path):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.hf_engine import MAX_PADDING, MIN_FILL, HFEngine, _ids_sha256, _Request
-from actors.sglang_server import EngineDied
+from actors.hf.batching import BatchPolicy, take_batch
+from actors.hf.engine import HFEngine, _ids_sha256, _Request
+from actors.engine import EngineDied
 from actors.validate import check_capture
 
 AUX = (2, 15, 27)  # the job's default for SmolLM2 (30 layers)
@@ -30,7 +31,7 @@ def engine(model_dir):
 @pytest.fixture(scope="module")
 def text_ids(model_dir) -> list[list[int]]:
     """Real conversations of mixed lengths (the job's kind of input; random tokens are noisy against fp32)."""
-    from pipeline.tokenize import Tokenize
+    from pipeline.intake.tokenize import Tokenize
 
     tok = Tokenize(str(model_dir), max_tokens=2048, overlength="reject")
     lines = [line for line in SAMPLE.read_text().splitlines() if '"messages"' in line and '"bad-' not in line]
@@ -96,19 +97,19 @@ def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir
 
 @pytest.mark.parametrize("n_aux", [3, 0])
 def test_staging_lays_out_each_request_as_the_codecs_byte_planes(n_aux):
-    """The staging buffer against pipeline.codec.to_planes (numpy, no torch): per request its aux planes
+    """The staging buffer against pipeline.format.codec.to_planes (numpy, no torch): per request its aux planes
     [2, K*H, n] (layers side by side), then its final-state planes [2, H, n]; padded positions never appear."""
-    from pipeline.codec import to_planes
+    from pipeline.format.codec import to_planes
 
     b, t, h, lengths = 3, 9, 8, [9, 4, 1]
     gen = torch.Generator().manual_seed(0)
     aux = [torch.randn(b, t, h, generator=gen).to(torch.bfloat16) for _ in range(n_aux)]
     last = torch.randn(b, t, h, generator=gen).to(torch.bfloat16)
-    eng = HFEngine("unused", tuple(range(n_aux)))
-    eng.cuda = False
-    eng._taken = {("aux", k): a for k, a in enumerate(aux)} | {("last", 0): last}
+    eng = HFEngine("unused", tuple(range(n_aux)))  # a CPU engine: _stage needs no model, only the kept outputs
+    eng.decoder._taken = {("aux", k): a for k, a in enumerate(aux)} | {("last", 0): last}
     batch = [_Request(str(i), [1] * n, Future(), 0.0) for i, n in enumerate(lengths)]
-    _, _, body, offsets, nonfinite, widths = eng._stage(batch, np.ones((b, t), dtype=np.int64))
+    staged = eng._stage(batch, np.ones((b, t), dtype=np.int64))
+    body, offsets, nonfinite, widths = staged.planes, staged.offsets, staged.nonfinite, staged.widths
     assert widths == (n_aux * h, h) and nonfinite.shape == (b, t) and not nonfinite.any()
     assert offsets[-1] == len(body) == sum(2 * n * (n_aux + 1) * h for n in lengths)
 
@@ -267,8 +268,18 @@ def _req(key, n, order):
     return _Request(key, [1] * n, Future(), 0.0, order)
 
 
-def _policy(max_batch_tokens) -> HFEngine:
-    return HFEngine("unused", AUX, max_batch_tokens=max_batch_tokens)  # _take needs no model
+class _Policy:
+    """take_batch under one policy (a pure function: no engine, no model)."""
+
+    def __init__(self, max_batch_tokens):
+        self.policy = BatchPolicy(max_batch_tokens)
+
+    def _take(self, pool):
+        return take_batch(pool, self.policy)
+
+
+def _policy(max_batch_tokens) -> _Policy:
+    return _Policy(max_batch_tokens)
 
 
 def test_take_oldest_group_sets_the_length_and_the_longest_that_fit_fill_the_batch():
@@ -299,14 +310,14 @@ def test_take_caps_the_batch_at_max_batch_tokens_over_the_longest():
 
 
 def test_take_stops_filling_where_padding_would_pass_the_cap():
-    """Padding stays within MAX_PADDING of the real tokens, once the forward holds MIN_FILL of the budget."""
-    eng = _policy(round(250 / MIN_FILL))  # MIN_FILL of it is 250 padded tokens
+    """Padding stays within max_padding of the real tokens, once the forward holds min_fill of the budget."""
+    eng = _policy(round(250 / BatchPolicy(1).min_fill))  # min_fill of it is 250 padded tokens
     pool = [_req(k, n, 0) for k, n in (("p100", 100), ("p99", 99), ("p60", 60), ("p58", 58), ("p57", 57))]
     # 100 + 99 pad 1; p60 would pad 40 (past 3 %) but the forward holds only 200 of the 250 padded
     # tokens, so it still goes in; p58 then stops the fill (300 >= 250).
     assert [r.key for r in eng._take(pool)] == ["p100", "p99", "p60"]
     assert [r.key for r in eng._take(pool)] == ["p58", "p57"]
-    assert MAX_PADDING == 0.03
+    assert eng.policy.max_padding == 0.03
 
 
 def test_requests_of_one_caller_batch_complete_before_a_later_batch_of_longer_requests(engine):

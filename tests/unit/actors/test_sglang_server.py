@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.sglang_server import RID_PREFIX, ServerSpec, build_command, build_env
+from actors.sglang.server import RID_PREFIX, ServerSpec, build_command, build_env
 
 PATCH_ROOT = Path(__file__).resolve().parents[3] / "patches" / "sglang" / "v0_5_23"
 

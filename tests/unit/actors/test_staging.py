@@ -1,4 +1,4 @@
-"""actors/staging.py: the Triton kernel CUDA engines stage with (run here by Triton's interpreter) writes
+"""actors/hf/staging.py: the Triton kernel CUDA engines stage with (run here by Triton's interpreter) writes
 exactly the bytes and non-finite counts of the torch ops, and an unusable kernel falls back to them."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors import staging
-from actors.staging import TritonStager, plane_offsets, stage_torch
+from actors.hf import staging
+from actors.hf.staging import TritonStager, plane_offsets, stage_torch
 
 
 def _interpret() -> None:
@@ -78,7 +78,7 @@ def test_a_kernel_that_disagrees_leaves_the_torch_ops_in_place(monkeypatch, capl
 
     monkeypatch.setattr(staging, "_build_kernel", lambda: None)
     monkeypatch.setattr(TritonStager, "__call__", off_by_one_byte)
-    with caplog.at_level(logging.WARNING, logger="actors.staging"):
+    with caplog.at_level(logging.WARNING, logger="actors.hf.staging"):
         assert TritonStager.checked("cpu") is None
     assert "bytes equal: False" in caplog.text
 
@@ -88,7 +88,7 @@ def test_without_triton_the_torch_ops_stage(monkeypatch, caplog):
         raise ModuleNotFoundError("No module named 'triton'")
 
     monkeypatch.setattr(staging, "_build_kernel", missing)
-    with caplog.at_level(logging.WARNING, logger="actors.staging"):
+    with caplog.at_level(logging.WARNING, logger="actors.hf.staging"):
         assert TritonStager.checked("cpu") is None
     assert "No module named 'triton'" in caplog.text
 

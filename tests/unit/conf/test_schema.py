@@ -73,7 +73,7 @@ def test_set_overrides_are_parsed_as_yaml(default_yaml):
     assert cfg.extract.max_tokens == 128
     assert cfg.engine.server_flags == ("--foo", "--bar=1")
     # Untouched values keep the file's setting.
-    assert cfg.extract.batch_size == 32
+    assert cfg.extract.overlength == "reject" and cfg.engine.num_actors == 1
 
 
 def test_set_can_supply_required_fields_without_file():
@@ -149,3 +149,30 @@ def test_extract_turns_and_template_kwargs(default_yaml):
         load_config(default_yaml, ["extract.template_kwargs=[1]"])
     with pytest.raises(ConfigError, match="may not set \\['add_generation_prompt'\\]"):
         load_config(default_yaml, ["extract.template_kwargs={add_generation_prompt: true}"])
+
+
+def test_each_engine_has_its_own_knobs_and_defaults(default_yaml):
+    sglang = load_config(default_yaml)
+    assert sglang.engine.name == "sglang" and sglang.engine.max_in_flight == 8
+    assert (sglang.engine.batches(False), sglang.batch_size(False)) == (2, 32)
+    hf = load_config(default_yaml, ["engine.name=hf"])  # the default config runs on the hf engine as is
+    assert hf.engine.max_batch_tokens == 16384 and not hasattr(hf.engine, "max_in_flight")
+    # The measured best on a GPU without further flags; the CPU keeps small batches.
+    assert (hf.engine.batches(True), hf.batch_size(True)) == (16, 128)
+    assert (hf.engine.batches(False), hf.batch_size(False)) == (2, 32)
+    # What the user sets wins over the engine's defaults.
+    mine = load_config(default_yaml, ["engine.name=hf", "engine.batches_per_actor=3", "extract.batch_size=7"])
+    assert (mine.engine.batches(True), mine.batch_size(True)) == (3, 7)
+    # A section that names no engine is SGLang's.
+    assert load_config(None, ["input.path=a", "output.path=b", "engine.num_actors=2"]).engine.name == "sglang"
+
+
+def test_a_knob_of_another_engine_is_refused_with_its_owner(default_yaml):
+    with pytest.raises(ConfigError, match=r"engine\.max_in_flight: not a setting of engine.name=hf \(it belongs to engine.name=sglang\)"):
+        load_config(default_yaml, ["engine.name=hf", "engine.max_in_flight=4"])
+    with pytest.raises(ConfigError, match=r"engine\.max_batch_tokens: not a setting of engine.name=sglang \(it belongs to engine.name=hf\)"):
+        load_config(default_yaml, ["engine.max_batch_tokens=4096"])
+    with pytest.raises(ConfigError, match=r"engine\.name must be one of \['hf', 'sglang'\]"):
+        load_config(default_yaml, ["engine.name=vllm"])
+    with pytest.raises(ConfigError, match="tp_size must be 1"):
+        load_config(default_yaml, ["engine.name=hf", "engine.device=cuda", "engine.tp_size=2"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.audit import AuditReport, LayerResult, Thresholds, compare
+from pipeline.tools.audit import AuditReport, LayerResult, Thresholds, compare
 from pipeline.cli import main
 
 

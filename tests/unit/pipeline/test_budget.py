@@ -1,9 +1,9 @@
 import pytest
 
-from pipeline import budget
-from pipeline.budget import InsufficientSpace, check_budget, estimate_bytes
-from pipeline.shards import ShardLayout
-from pipeline.storage import Store
+from pipeline.driver import budget
+from pipeline.driver.budget import InsufficientSpace, check_budget, estimate_bytes
+from pipeline.format.shards import ShardLayout
+from pipeline.format.storage import Store
 
 
 def test_estimate_is_tokens_times_layers_times_hidden_times_two_times_ratio():

@@ -20,7 +20,7 @@ def test_verify_of_a_directory_without_manifest_fails(tmp_path, capsys):
 def test_a_failure_inside_ray_is_one_line_naming_its_root_cause():
     import errno
 
-    from pipeline.failures import failure_message, root_cause
+    from pipeline.driver.failures import failure_message, root_cause
 
     class TaskError(RuntimeError):  # Ray's task errors carry the remote exception as `.cause`
         def __init__(self, cause):
@@ -41,7 +41,7 @@ def test_a_failure_inside_ray_is_one_line_naming_its_root_cause():
 
 
 def test_credentials_are_redacted_from_failure_messages(monkeypatch):
-    from pipeline.failures import failure_message
+    from pipeline.driver.failures import failure_message
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
     msg = failure_message(RuntimeError("signature for very-secret-value failed at s3://user:pw@host/x"))

@@ -2,7 +2,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.codec import Codec, CodecError, from_planes, to_planes
+from pipeline.format.codec import Codec, CodecError, from_planes, to_planes
 
 
 def activation_like(rng, t, w) -> np.ndarray:

@@ -1,6 +1,6 @@
-from pipeline.inspect import summarize
-from pipeline.manifest import write_manifest
-from pipeline.storage import Store
+from pipeline.tools.inspect import summarize
+from pipeline.format.manifest import write_manifest
+from pipeline.format.storage import Store
 
 
 def test_summary_names_the_turns_policy_and_unrendered_fields(tmp_path):

@@ -4,9 +4,9 @@ import pyarrow as pa
 import pytest
 from bad_input_corpus import LINE_LIMIT_BYTES, MAX_TOKENS, write_corpus
 
-from pipeline.intake import TokenizeLines
-from pipeline.read import expand_inputs, read_lines
-from pipeline.tokenize import TOKENIZED_SCHEMA
+from pipeline.intake.stage import TokenizeLines
+from pipeline.intake.read import expand_inputs, read_lines
+from pipeline.intake.tokenize import TOKENIZED_SCHEMA
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 import pyarrow as pa
 
-from pipeline.job import conversation_summary, default_aux_layers, find_duplicates, make_plan
+from pipeline.driver.job import conversation_summary, find_duplicates
+from pipeline.driver.plan import default_aux_layers, make_plan
 
 
 def test_default_aux_layers():

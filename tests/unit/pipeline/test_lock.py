@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from pipeline.lock import LOCK, OutputLocked, RunLock, stale_reason
-from pipeline.storage import Store
+from pipeline.format.lock import LOCK, OutputLocked, RunLock, stale_reason
+from pipeline.format.storage import Store
 
 
 @pytest.fixture

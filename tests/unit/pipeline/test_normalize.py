@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pipeline.normalize import BadRow, content_id, parse_line, row_id_fallback
+from pipeline.intake.normalize import BadRow, content_id, parse_line, row_id_fallback
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 

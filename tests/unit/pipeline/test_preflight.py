@@ -3,8 +3,8 @@ import json
 import pytest
 
 from conf import load_config
-from pipeline.preflight import PreflightError, check_gpus, lock_output, plan_or_refuse
-from pipeline.storage import Store
+from pipeline.driver.preflight import PreflightError, check_gpus, lock_output, plan_or_refuse
+from pipeline.format.storage import Store
 
 
 def cfg(tmp_path, *sets):

@@ -3,8 +3,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import progress as progress_mod
-from pipeline.progress import Progress, human_bytes, human_duration
+from pipeline.driver import progress as progress_mod
+from pipeline.driver.progress import Progress, human_duration
+from pipeline.format.storage import human_bytes
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_human_duration(s, text):
 
 def test_maybe_log_respects_interval(clock, caplog):
     p = Progress(total_samples=2, total_tokens=10, interval_s=10.0, started=clock.t)
-    with caplog.at_level("INFO", logger="pipeline.progress"):
+    with caplog.at_level("INFO", logger="pipeline.driver.progress"):
         p.maybe_log(force=True)
         clock.t += 5.0
         p.maybe_log()

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.read import expand_inputs, read_lines
+from pipeline.intake.read import expand_inputs, read_lines
 
 
 def rows_of(path, limit=1024):
@@ -46,7 +46,7 @@ def test_a_pattern_that_matches_nothing_is_refused(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 7, 4096])
 def test_lines_split_the_same_whatever_the_read_size(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr("pipeline.read._CHUNK", chunk)
+    monkeypatch.setattr("pipeline.intake.read._CHUNK", chunk)
     f = tmp_path / "in.jsonl"
     f.write_bytes(b'{"text": "a"}\n' + b"q" * 40 + b"\n\n" + b'{"text": "b"}\n' + b"r" * 50)
     rows = rows_of(f, limit=32)

@@ -1,7 +1,7 @@
 import pytest
 
-from pipeline.normalize import BadRow
-from pipeline.render import TemplateRenderer, reasoning_keys
+from pipeline.intake.normalize import BadRow
+from pipeline.intake.render import TemplateRenderer, reasoning_keys
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 import json
 
-from pipeline.manifest import DUPLICATES, committed_totals, reopen_transient_errors
-from pipeline.storage import Store
+from pipeline.format.manifest import DUPLICATES, committed_totals, reopen_transient_errors
+from pipeline.format.storage import Store
 
 
 def rows(*stages):

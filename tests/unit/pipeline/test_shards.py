@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.shards import (
+from pipeline.format.shards import (
     HIDDEN_COLUMNS,
     META_KEY,
     EncodedSample,
@@ -19,7 +19,7 @@ from pipeline.shards import (
     shard_sample_ids,
     write_shard,
 )
-from pipeline.storage import TMP_PREFIX, Store
+from pipeline.format.storage import TMP_PREFIX, Store
 
 LAYOUT = ShardLayout(aux_layers=(2, 15, 27), hidden_size=16)
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from pipeline.storage import TMP_PREFIX, Store
+from pipeline.format.storage import TMP_PREFIX, Store
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_object_store_calls_retry_with_backoff_then_fail():
 
 
 def test_redact_blanks_credentials(monkeypatch):
-    from pipeline.storage import redact
+    from pipeline.format.storage import redact
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEKEY")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t/with+chars")

@@ -3,8 +3,8 @@ import json
 import pyarrow as pa
 import pytest
 
-from pipeline.normalize import parse_line
-from pipeline.tokenize import TOKENIZED_SCHEMA, Tokenize
+from pipeline.intake.normalize import parse_line
+from pipeline.intake.tokenize import TOKENIZED_SCHEMA, Tokenize
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.normalize import parse_line
-from pipeline.tokenize import ChatTokenizer, Tokenize
+from pipeline.intake.normalize import parse_line
+from pipeline.intake.tokenize import ChatTokenizer, Tokenize
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
@@ -267,7 +267,7 @@ def test_each_ids_are_stable_across_runs(model_dir):
 def test_stage_maps_one_line_to_several_rows(model_dir):
     import pyarrow as pa
 
-    from pipeline.tokenize import TOKENIZED_SCHEMA
+    from pipeline.intake.tokenize import TOKENIZED_SCHEMA
 
     t = Tokenize(str(model_dir), 2048, "reject", turns="auto", chat_template=(TEMPLATES / "qwen3.jinja").read_text())
     lines = [json.dumps({"id": "r", "messages": REASONING}), json.dumps({"id": "t", "text": "plain text"})]

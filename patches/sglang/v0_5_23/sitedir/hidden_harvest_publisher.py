@@ -2,7 +2,7 @@
 
 On the forward path (``DumpPublisher.capture``) only device work is queued, on the current stream: the
 non-finite count per row and each request's bf16 bits rearranged into byte planes [2, W, T] (the layout the
-shard codec stores, pipeline/codec.py) in one staging tensor. One asynchronous copy of it into a reused
+shard codec stores, pipeline/format/codec.py) in one staging tensor. One asynchronous copy of it into a reused
 pinned host buffer then runs on a side stream (the copy engine), followed by an event. The GPU never waits
 for the host and the forward stream never waits for the copy. A writer thread waits for the event and
 publishes one file per request, ``<rid>.hhd`` (temporary name, then rename: a reader never sees a partial

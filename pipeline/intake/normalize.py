@@ -5,7 +5,7 @@ with optional `loss_mask`, or `text`; an optional id field, else a stable id der
 
 Chat messages keep every field they carry, because any of them may be read by a chat template:
 `content` (a string; null is allowed on an assistant turn that has `tool_calls`), `reasoning_content`
-(aliases `reasoning` and `thinking` are folded into it; `pipeline.render` hands it to the template under
+(aliases `reasoning` and `thinking` are folded into it; `pipeline.intake.render` hands it to the template under
 the name the template reads), `tool_calls`, `name`, `tool_call_id`, and anything else. A row-level
 `tools` list (or a JSON string holding one) is passed to the template as `tools=`. Inline
 `<think>...</think>` in content is left alone: the template decides what it renders.

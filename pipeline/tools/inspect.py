@@ -6,10 +6,10 @@ import json
 
 import pyarrow.parquet as pq
 
-from pipeline.manifest import ERROR_DIR, read_manifest
-from pipeline.progress import human_bytes
-from pipeline.shards import list_shards, read_layout
-from pipeline.storage import Store
+from pipeline.format.manifest import ERROR_DIR, read_manifest
+from pipeline.format.storage import human_bytes
+from pipeline.format.shards import list_shards, read_layout
+from pipeline.format.storage import Store
 
 
 def summarize(output: str) -> str:

@@ -25,19 +25,11 @@ from pathlib import Path
 import aiohttp
 
 from actors.dump import Capture, DumpError, dump_path, read_dump
-from actors.sglang_server import RID_PREFIX, EngineDied, SGLangServer, ServerSpec
-from pipeline.lock import pid_alive
+from actors.engine import EngineDied, RequestResult
+from actors.sglang.server import RID_PREFIX, SGLangServer, ServerSpec, build_command
+from pipeline.format.lock import pid_alive
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestResult:
-    key: str
-    capture: Capture | None
-    error: str | None
-    latency_s: float
-    rid: str = ""
 
 
 DUMP_DIR_PREFIX = "hidden-harvest-"
@@ -76,6 +68,31 @@ def remove_orphaned_dump_dirs(root: Path) -> list[Path]:
 
 
 class SGLangEngine:
+    name = "sglang"
+
+    @classmethod
+    def kwargs_for(cls, cfg, model_dir: str, aux_layers: tuple[int, ...], cuda: bool, cpu_threads: int) -> dict:
+        """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig)."""
+        return {
+            "spec_without_dump": {
+                "model_dir": model_dir, "aux_layers": tuple(aux_layers), "tp_size": cfg.tp_size,
+                "chunked_prefill_size": cfg.chunked_prefill_size, "cpu": not cuda, "cpu_threads": cpu_threads,
+                "extra_flags": tuple(cfg.server_flags), "startup_timeout_s": cfg.startup_timeout_s,
+            },
+            "max_in_flight": cfg.max_in_flight,
+            "request_timeout_s": cfg.request_timeout_s,
+            "dump_timeout_s": cfg.dump_timeout_s,
+        }  # fmt: skip
+
+    @classmethod
+    def provenance(cls, kwargs: dict, cuda: bool) -> dict:
+        """What the manifest records of this engine: the server's exact command-line flags."""
+        from importlib.metadata import version
+
+        spec = ServerSpec(dump_dir=Path("DUMP_DIR"), **kwargs["spec_without_dump"])
+        flags = build_command(spec, port=0)[3:]  # without the interpreter and `-m sglang.launch_server`
+        return {"name": cls.name, "version": version("sglang"), "device": "cuda" if cuda else "cpu", "flags": flags}
+
     def __init__(self, spec_without_dump: dict, max_in_flight: int, request_timeout_s: float, dump_timeout_s: float = 30.0):
         remove_orphaned_dump_dirs(default_dump_root())
         self._dump_dir = make_dump_dir(default_dump_root())
@@ -128,6 +145,10 @@ class SGLangEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def stats(self) -> dict:
+        """The server keeps its own counters (its metrics endpoint); this engine keeps none."""
+        return {}
 
     def healthy(self) -> bool:
         return self.server.alive()

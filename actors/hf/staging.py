@@ -3,7 +3,7 @@
 A forward's states are, per captured layer, a padded tensor [B, T, H] in bf16. What the host needs is, per
 request of n real tokens, one contiguous body: the aux planes [2, K*H, n] (low bytes of every channel, then
 the high bytes; aux layer k holds channels k*H .. (k+1)*H), then the final layer's planes [2, H, n] (the
-layout of `pipeline.codec.to_planes`, which a SGLang dump also carries). Alongside it, per position of the
+layout of `pipeline.format.codec.to_planes`, which a SGLang dump also carries). Alongside it, per position of the
 padded batch, how many of its values are not finite; the host sums those over each request's real tokens.
 
 Two implementations with the same output:

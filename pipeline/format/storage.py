@@ -150,3 +150,12 @@ def _durable_rename(tmp: str, final: str) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, final)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        # Compare the value as printed, so 999,999 B reads "1.00 MB" and not "1,000.00 KB".
+        if round(abs(n), 2 if unit != "B" else 0) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1000.0
+    return f"{n:.2f} TB"

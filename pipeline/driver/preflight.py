@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 
 from conf import HarvestConfig
-from pipeline.lock import OutputLocked, RunLock
-from pipeline.storage import Store, redact
+from pipeline.driver.plan import Plan, PlanError, make_plan
+from pipeline.format.lock import OutputLocked, RunLock
+from pipeline.format.storage import Store, redact
 
 logger = logging.getLogger(__name__)
 
@@ -20,15 +21,11 @@ class PreflightError(RuntimeError):
     """The run cannot work as configured; the message says what to change."""
 
 
-def plan_or_refuse(cfg: HarvestConfig, gpus_available: float):
-    from pipeline.job import make_plan
-
+def plan_or_refuse(cfg: HarvestConfig, gpus_available: float) -> Plan:
     try:
         return make_plan(cfg, gpus_available)
-    except (OSError, ValueError, KeyError) as e:
-        if isinstance(e, (FileNotFoundError, ValueError)) and ("model.path" in str(e) or "aux_layers" in str(e)):
-            raise PreflightError(str(e)) from None  # already says which setting and what to do
-        raise PreflightError(f"model.path {cfg.model.path!r} cannot be used: {type(e).__name__}: {e}") from None
+    except PlanError as e:
+        raise PreflightError(str(e)) from None  # already says which setting and what to do
 
 
 def check_gpus(cfg: HarvestConfig, cuda: bool, gpus_per_node: list[float]) -> None:

@@ -13,8 +13,8 @@ from typing import IO
 
 import fsspec
 
-from pipeline.normalize import bytes_id
-from pipeline.storage import storage_options
+from pipeline.intake.normalize import bytes_id
+from pipeline.format.storage import storage_options
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from pipeline.normalize import REASONING_KEY, BadRow
-from pipeline.render import TemplateRenderer
+from pipeline.intake.normalize import REASONING_KEY, BadRow
+from pipeline.intake.render import TemplateRenderer
 
 
 def lcp(a: str, b: str) -> int:

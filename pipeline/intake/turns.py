@@ -2,7 +2,7 @@
 
 - `full`: the conversation is rendered once; the mask covers every assistant turn as the template renders
   it there. With `{% generation %}` blocks in the template they give the mask; otherwise each turn is located
-  by character offsets in the rendered text (pipeline/locate.py) and mapped to tokens through the tokenizer's
+  by character offsets in the rendered text (pipeline/intake/locate.py) and mapped to tokens through the tokenizer's
   offsets.
 - `each`: one sample per assistant turn k, exactly as the model saw it when it generated that turn: the prompt
   it answered (the messages before the turn with the generation prompt) followed by the turn as the template
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.locate import TurnLocator, call_names, texts
-from pipeline.normalize import REASONING_KEY, BadRow
-from pipeline.render import TemplateRenderer
+from pipeline.intake.locate import TurnLocator, call_names, texts
+from pipeline.intake.normalize import REASONING_KEY, BadRow
+from pipeline.intake.render import TemplateRenderer
 
 POLICIES = ("full", "each", "auto")
 

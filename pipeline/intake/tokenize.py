@@ -1,7 +1,7 @@
 """CPU stage: JSONL lines -> input_ids + assistant loss mask, or an error row with a reason.
 
-Chat rows go through the target's own chat template (pipeline/render.py) and the `extract.turns`
-policy (pipeline/turns.py): one conversation becomes one sample (`full`) or one sample per assistant
+Chat rows go through the target's own chat template (pipeline/intake/render.py) and the `extract.turns`
+policy (pipeline/intake/turns.py): one conversation becomes one sample (`full`) or one sample per assistant
 turn (`each`, ids `<id>#<k>`), so one input line may yield several rows here.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.normalize import BadRow, Sample, parse_line, row_id_fallback
-from pipeline.render import TemplateRenderer
-from pipeline.turns import ChatEncoder, ChatResult
+from pipeline.intake.normalize import BadRow, Sample, parse_line, row_id_fallback
+from pipeline.intake.render import TemplateRenderer
+from pipeline.intake.turns import ChatEncoder, ChatResult
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Columns: sample_id string, input_ids list<int32>, loss_mask list<uint8>, num_tokens int32 (plain Parquet, zstd),
 aux_hidden_states large_binary ([T, K*H]) and last_hidden_state large_binary ([T, H], or [M, H] for the masked
-rows), each value one sample's bf16 bits in the codec's layout (pipeline/codec.py; the README shows the decoder).
+rows), each value one sample's bf16 bits in the codec's layout (pipeline/format/codec.py; the README shows the decoder).
 Hidden-state values are already compressed, so Parquet stores them uncompressed, unencoded, one page per value:
 the writer only copies bytes. Shape, layer ids and encoding live in the schema metadata (key `hidden_harvest`)
 and in manifest.json; `open_shards` hides the codec.
@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.codec import Codec, to_planes
-from pipeline.storage import Store
+from pipeline.format.codec import Codec, to_planes
+from pipeline.format.storage import Store
 
 FORMAT_VERSION = 2
 META_KEY = b"hidden_harvest"

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from pipeline.storage import Store
+from pipeline.format.storage import Store
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from pipeline.storage import redact
+from pipeline.format.storage import redact
 
 
 def root_cause(e: BaseException) -> BaseException:

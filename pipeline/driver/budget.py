@@ -10,9 +10,9 @@ import logging
 import os
 import shutil
 
-from pipeline.progress import human_bytes
-from pipeline.shards import ShardLayout
-from pipeline.storage import Store
+from pipeline.format.storage import human_bytes
+from pipeline.format.shards import ShardLayout
+from pipeline.format.storage import Store
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import time
 
 import pyarrow.parquet as pq
 
-from pipeline.shards import FORMAT_VERSION, list_shards
-from pipeline.storage import Store, redact
+from pipeline.format.shards import FORMAT_VERSION, list_shards
+from pipeline.format.storage import Store, redact
 
 logger = logging.getLogger(__name__)
 

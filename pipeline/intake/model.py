@@ -25,13 +25,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HIDDEN_HARVEST_CACHE", Path.home() / ".cache" / "hidden-harvest"))
 
 
+class ModelNotFound(FileNotFoundError):
+    """model.path names no HF model directory; the message says what to use instead."""
+
+
 def resolve_model(path: str) -> Path:
     """A local HF model directory for `path`; prepares the default model on first use."""
     if path == DEFAULT_MODEL:
         return prepare_default_model()
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(
+        raise ModelNotFound(
             f"model.path {path!r} is not a HF model directory (no config.json); "
             f"use model.path={DEFAULT_MODEL!r} for the embedded SmolLM2 model"
         )
@@ -106,6 +110,6 @@ def hidden_size(model_dir: Path) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m pipeline.model`: prepare the default model once (make install runs this).
+    # `python -m pipeline.intake.model`: prepare the default model once (make install runs this).
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logger.info("default model ready at %s", prepare_default_model())

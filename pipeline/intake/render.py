@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from pipeline.normalize import REASONING_ALIASES, REASONING_KEY, BadRow
+from pipeline.intake.normalize import REASONING_ALIASES, REASONING_KEY, BadRow
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

@@ -17,65 +17,27 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from actors.engine import engine_class
 from conf import HarvestConfig
-from pipeline import model as model_lib
-from pipeline.budget import check_budget
-from pipeline.intake import TokenizeLines
-from pipeline.manifest import (
+from pipeline.intake import model as model_lib
+from pipeline.driver.budget import check_budget
+from pipeline.intake.stage import TokenizeLines
+from pipeline.format.manifest import (
     DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, error_files, error_lines, read_manifest,
     reopen_transient_errors, write_manifest,
 )
-from pipeline.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
-from pipeline.progress import Progress
-from pipeline.read import read_jsonl
-from pipeline.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
-from pipeline.storage import Store
-from pipeline.tokenize import TOKENIZED_SCHEMA, fingerprint_tokenizer
+from pipeline.driver.plan import Plan
+from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
+from pipeline.driver.progress import Progress
+from pipeline.intake.read import read_jsonl
+from pipeline.format.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
+from pipeline.format.storage import Store
+from pipeline.intake.tokenize import TOKENIZED_SCHEMA, fingerprint_tokenizer
 
 logger = logging.getLogger(__name__)
 
 # The per-sample metadata the driver needs; never the token ids.
 INDEX_COLUMNS = ("sample_id", "source", "num_tokens", "num_masked", "status", "turns", "cost_full", "cost_each", "unrendered")
-
-
-@dataclass(frozen=True)
-class Plan:
-    model_dir: Path
-    layout: ShardLayout
-    cuda: bool
-    settings: dict  # everything that changes the bytes of a sample
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """SGLang's EAGLE-3 default capture layers."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
-def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
-    model_dir = model_lib.resolve_model(cfg.model.path)
-    n_layers = model_lib.num_hidden_layers(model_dir)
-    aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
-    if max(aux) >= n_layers:
-        raise ValueError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
-    layout = ShardLayout(
-        tuple(aux), model_lib.hidden_size(model_dir), cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state
-    )
-    cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
-    settings = {
-        "format_version": layout.metadata()["format_version"],
-        "model_sha256": model_lib.model_fingerprint(model_dir),
-        **fingerprint_tokenizer(model_dir),
-        "aux_layers": list(aux),
-        "hidden_size": layout.hidden_size,
-        "max_tokens": cfg.extract.max_tokens,
-        "overlength": cfg.extract.overlength,
-        "encoding": cfg.output.encoding,
-        "last_hidden_state_rows": cfg.output.last_hidden_state,
-        "id_field": cfg.input.id_field,
-        "turns": cfg.extract.turns,
-        "template_kwargs": dict(cfg.extract.template_kwargs),
-    }
-    return Plan(model_dir, layout, cuda, settings)
 
 
 def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
@@ -161,38 +123,9 @@ def _source_key(source: str):
 
 def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
     cpu_threads = cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors)
-    if cfg.engine.name == "hf":
-        from actors.hf_engine import HFEngine
-
-        engine_class = HFEngine
-        engine = {
-            "model_dir": str(plan.model_dir),
-            "aux_layers": plan.layout.aux_layers,
-            "device": "cuda" if plan.cuda else "cpu",
-            "max_batch_tokens": cfg.engine.max_batch_tokens,
-            "cpu_threads": cpu_threads,
-        }
-    else:
-        from actors.sglang_engine import SGLangEngine
-
-        engine_class = SGLangEngine
-        engine = {
-            "spec_without_dump": {
-                "model_dir": plan.model_dir,
-                "aux_layers": plan.layout.aux_layers,
-                "tp_size": cfg.engine.tp_size,
-                "chunked_prefill_size": cfg.engine.chunked_prefill_size,
-                "cpu": not plan.cuda,
-                "cpu_threads": cpu_threads,
-                "extra_flags": tuple(cfg.engine.server_flags),
-                "startup_timeout_s": cfg.engine.startup_timeout_s,
-            },
-            "max_in_flight": cfg.engine.max_in_flight,
-            "request_timeout_s": cfg.engine.request_timeout_s,
-            "dump_timeout_s": cfg.engine.dump_timeout_s,
-        }
-    return dict(engine_kwargs=engine, layout=plan.layout, output_url=cfg.output.path, retries=cfg.extract.retries,
-                encode_threads=cfg.output.encode_threads, engine_class=engine_class)  # fmt: skip
+    kwargs = engine_class(cfg.engine.name).kwargs_for(cfg.engine, str(plan.model_dir), plan.layout.aux_layers, plan.cuda, cpu_threads)
+    return dict(engine_name=cfg.engine.name, engine_kwargs=kwargs, layout=plan.layout, output_url=cfg.output.path,
+                retries=cfg.extract.retries, encode_threads=cfg.output.encode_threads)  # fmt: skip
 
 
 def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
@@ -292,17 +225,17 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
     todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
     # One block per actor batch: every actor gets work, and each committed shard reports back at once
     # (a large block would run on one actor and return all its metadata rows at the end).
-    todo = todo.repartition(target_num_rows_per_block=cfg.extract.batch_size, strict=True)
+    batch_size, batches = cfg.batch_size(plan.cuda), cfg.engine.batches(plan.cuda)
+    todo = todo.repartition(target_num_rows_per_block=batch_size, strict=True)
     results = todo.map_batches(
         HiddenStateExtractor,
         fn_constructor_kwargs=extractor_kwargs(cfg, plan),
-        batch_size=cfg.extract.batch_size,
+        batch_size=batch_size,
         batch_format="pyarrow",
         # Several batches per actor on threads: one encodes and commits while the next keeps the server busy.
         compute=ray.data.ActorPoolStrategy(
             min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors,
-            max_tasks_in_flight_per_actor=cfg.engine.batches_per_actor,
-            max_concurrent_calls_per_actor=cfg.engine.batches_per_actor, enable_true_multi_threading=True,
+            max_tasks_in_flight_per_actor=batches, max_concurrent_calls_per_actor=batches, enable_true_multi_threading=True,
         ),  # fmt: skip
         num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
         num_cpus=cfg.engine.cpus_per_actor,
@@ -325,19 +258,10 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
 
 
 def provenance(cfg: HarvestConfig, plan: Plan) -> dict:
-    from actors.sglang_server import ServerSpec, build_command
-
     kwargs = extractor_kwargs(cfg, plan)["engine_kwargs"]
-    if cfg.engine.name == "hf":
-        engine = {"name": "hf", "version": f"transformers {_version('transformers')}", "device": kwargs["device"],
-                  "dtype": "bfloat16", "max_batch_tokens": kwargs["max_batch_tokens"]}  # fmt: skip
-    else:
-        spec = ServerSpec(dump_dir=Path("DUMP_DIR"), **kwargs["spec_without_dump"])
-        flags = build_command(spec, port=0)[3:]  # without the interpreter and `-m sglang.launch_server`
-        engine = {"name": "sglang", "version": _version("sglang"), "device": "cuda" if plan.cuda else "cpu", "flags": flags}
     return {
         "model": {"path": str(plan.model_dir), "name": plan.model_dir.name},
-        "engine": engine,
+        "engine": engine_class(cfg.engine.name).provenance(kwargs, plan.cuda),
         "software": {p: _version(p) for p in ("hidden-harvest", "ray", "pyarrow", "torch", "transformers")},
         "aux_layers": list(plan.layout.aux_layers),
         "hidden_size": plan.layout.hidden_size,

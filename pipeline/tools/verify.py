@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.codec import Codec
-from pipeline.manifest import error_files, error_lines, read_manifest
-from pipeline.shards import hidden_bits, list_shards, read_layout, shard_name
-from pipeline.storage import Store
+from pipeline.format.codec import Codec
+from pipeline.format.manifest import error_files, error_lines, read_manifest
+from pipeline.format.shards import hidden_bits, list_shards, read_layout, shard_name
+from pipeline.format.storage import Store
 
 
 @dataclass

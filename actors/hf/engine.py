@@ -6,17 +6,14 @@ the same code for both engines. One worker thread owns the model:
 
 - Requests wait in one pool; each forward takes the longest request of the oldest caller batch and the
   next ones by length up to `max_batch_tokens` padded tokens, stopping where padding would pass 3 % of the
-  real tokens (`_take`). Sequences are right-padded and run
+  real tokens (actors/hf/batching.py). Sequences are right-padded and run
   without an attention mask: under causal attention a real token only sees earlier positions, which are
   all real, so its states are exactly those of the unpadded sequence. Padded positions are never copied.
 - Nothing in a forward waits for the device, so the host launches the next forward while the device
-  runs this one: transformers' one readback per forward (its packed-sequence check) is answered by the
-  engine for its own rows (`_skip_packed_check`).
-- Forward hooks on the chosen decoder layers and on the final norm keep only what is stored (aux layer
-  i = output of decoder layer i = HF `hidden_states[i+1]`; final = after the final norm, the SGLang path's
-  convention) and the base model runs without the LM head (SGLang computes logits for one position only).
+  runs this one: transformers' one readback per forward (its packed-sequence check) is answered for these
+  rows (actors/hf/decoder.py, which also holds the hooks that keep what is stored).
 - On CUDA each request's states are split into the codec's byte planes and counted for non-finite values
-  on the device (actors/staging.py: one Triton kernel launch per layer, or torch ops where the kernel is
+  on the device (actors/hf/staging.py: one Triton kernel launch per layer, or torch ops where the kernel is
   not usable), and the forward thread goes on to the next forward. A finisher thread allocates pinned
   memory, copies the batch into it in one asynchronous transfer on a side stream, waits for that copy and
   resolves the futures while the next batch already runs. At most two batches wait for the finisher,
@@ -25,7 +22,7 @@ the same code for both engines. One worker thread owns the model:
   device cannot hold is refused at start, and the job's first batches do not pay for kernel loading and
   memory pools growing.
 
-`states(ids)` returns the float tensors instead of a capture: `harvest audit` uses it in float32.
+Float states without the capture format (the audit's reference) are actors/hf/reference.py's.
 `stats()` says where the worker threads' time went (idle, forward, staging, waiting on copies) and, on
 CUDA, the device's own (its forwards, the staging, the time between batches); it is logged when the
 engine closes.
@@ -44,14 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.dump import Capture
-from actors.sglang_engine import RequestResult
-from actors.sglang_server import EngineDied
-from actors.staging import TritonStager, plane_offsets, stage_torch
+from actors.engine import EngineDied, RequestResult
+from actors.hf.batching import BatchPolicy, take_batch
+from actors.hf.decoder import Decoder
+from actors.hf.staging import TritonStager, plane_offsets, stage_torch
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = ("bfloat16", "float32")
-
 
 @dataclass
 class _Request:
@@ -62,67 +57,54 @@ class _Request:
     order: float = 0.0  # requests of one caller batch share it; lower goes first
 
 
+@dataclass
+class _Staged:
+    """One forward's capture on its way to the host: every request's byte planes in one uint8 buffer
+    (`offsets[i]:offsets[i + 1]` is request i's), the non-finite count per padded position, and the widths
+    (K*H, H). On CUDA `planes` and `nonfinite` are device tensors until the finisher has copied them."""
+
+    batch: list[_Request]
+    ids: np.ndarray  # the padded ids the forward ran
+    planes: object = None
+    offsets: np.ndarray | None = None
+    nonfinite: object = None
+    widths: tuple[int, int] = (0, 0)
+
+
 def _ids_sha256(ids: np.ndarray) -> str:
     # The same digest the SGLang hook publishes: sha256 over the int32 ids the forward really ran.
     return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest()
 
 
-def _first(output):
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-# Most padded tokens a forward may carry, as a share of its real ones (see HFEngine._take).
-MAX_PADDING = 0.03
-# Below this share of max_batch_tokens a forward fills whatever the padding (see HFEngine._take).
-MIN_FILL = 0.125
-
-_unpacked = threading.local()  # set while this engine's forward runs: its rows are never packed sequences
-
-
-def _skip_packed_check() -> None:
-    """Lets this engine's forwards skip transformers' packed-sequence check, which waits for the device.
-
-    Without an attention mask, transformers looks for several sequences packed into one row (positions that
-    restart) and reads the answer back from the device: every forward then waits until the device has run
-    everything before it, and the device idles while the host prepares the next one (1.5 s of a 47 s run
-    on the H200, measured with the engine's device timing). This engine's rows are single sequences whose
-    positions run 0..T-1, for which the check returns None, so the answer is known without asking. Only
-    forwards run by this engine (a thread-local flag) take the shortcut; any other caller in the process
-    gets the original function."""
-    from transformers import masking_utils
-
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        logger.info("transformers has no find_packed_sequence_indices: forwards run as the library runs them")
-        return
-    if getattr(original, "_single_sequence_rows", False):
-        return
-
-    def find_packed_sequence_indices(position_ids):
-        return None if getattr(_unpacked, "active", False) else original(position_ids)
-
-    find_packed_sequence_indices._single_sequence_rows = True
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-
-
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model_dir: str, aux_layers: tuple[int, ...], device: str = "cpu", dtype: str = "bfloat16",
-                 max_batch_tokens: int = 8192, cpu_threads: int | None = None, capture: bool = True,
-                 attn_implementation: str = "sdpa", warmup: bool | None = None):  # fmt: skip
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-        if capture and dtype != "bfloat16":
-            raise ValueError("captures are stored as bf16: a capturing engine runs in bfloat16 (float32 is for states())")
+    @classmethod
+    def kwargs_for(cls, cfg, model_dir: str, aux_layers: tuple[int, ...], cuda: bool, cpu_threads: int) -> dict:
+        """Constructor arguments from the engine's config section (conf.schema.HFEngineConfig)."""
+        return {"model_dir": model_dir, "aux_layers": tuple(aux_layers), "device": "cuda" if cuda else "cpu",
+                "max_batch_tokens": cfg.max_batch_tokens, "cpu_threads": cpu_threads}  # fmt: skip
+
+    @classmethod
+    def provenance(cls, kwargs: dict, cuda: bool) -> dict:
+        from importlib.metadata import version
+
+        return {"name": cls.name, "version": f"transformers {version('transformers')}", "device": kwargs["device"],
+                "dtype": "bfloat16", "max_batch_tokens": kwargs["max_batch_tokens"]}  # fmt: skip
+
+    # Captures are stored as bf16, and the model runs in it (a float reference is reference.py's).
+    dtype = "bfloat16"
+
+    def __init__(self, model_dir: str, aux_layers: tuple[int, ...], device: str = "cpu", max_batch_tokens: int = 8192,
+                 cpu_threads: int | None = None, attn_implementation: str = "sdpa", warmup: bool | None = None):  # fmt: skip
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
-        self.dtype = dtype
+        self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation)
+        self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
+        self.policy = BatchPolicy(max_batch_tokens)
         self.cpu_threads = cpu_threads
-        self.capture_states = capture
-        self.attn_implementation = attn_implementation
         self.warmup = warmup  # None: on CUDA only (see _warm_up)
         self._pending: list[_Request] = []
         self._cv = threading.Condition()
@@ -131,7 +113,7 @@ class HFEngine:
         self._finisher: threading.Thread | None = None
         self._done: queue.Queue = queue.Queue(maxsize=1)  # batches whose copy is in flight (CUDA)
         self._failure: BaseException | None = None
-        self._recording = False
+        self._hooks: list = []  # the engine's own (device clock); the decoder keeps its capture hooks
         self._stager = stage_torch  # on CUDA, start() puts the Triton kernel here where it matches
         self.batches = 0
         self.padded_tokens = 0
@@ -152,37 +134,19 @@ class HFEngine:
 
     def start(self) -> HFEngine:
         import torch
-        from transformers import AutoModelForCausalLM
 
         if self.device == "cpu" and self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         t0 = time.monotonic()
-        _skip_packed_check()
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
-        )
-        self.base = model.get_decoder().to(self.device).eval()
-        self.vocab_size = int(model.config.vocab_size)
-        del model  # the LM head is never used
-        layers = getattr(self.base, "layers", None)
-        norm = getattr(self.base, "norm", None)
-        if layers is None or norm is None:
-            raise RuntimeError(f"{self.model_dir}: the hf engine needs a decoder with `.layers` and `.norm` (got {type(self.base).__name__})")
-        if self.aux_layers and max(self.aux_layers) >= len(layers):
-            raise ValueError(f"aux layers {list(self.aux_layers)}: the model has layers 0..{len(layers) - 1}")
-        self._taken: dict = {}
-        self._hooks = [layers[i].register_forward_hook(self._keep(("aux", k))) for k, i in enumerate(self.aux_layers)]
-        self._hooks.append(norm.register_forward_hook(self._keep(("last", 0))))
-        self.cuda = self.device.startswith("cuda")
-        if self.cuda and self.capture_states:
-            # One kernel launch per layer instead of a few hundred small torch ops on the forward thread
-            # (actors/staging.py); checked against the torch ops here, and they stay where it does not match.
-            self._stager = TritonStager.checked(self.device) or stage_torch
+        self.decoder.load()
         if self.cuda:
+            # One kernel launch per layer instead of a few hundred small torch ops on the forward thread
+            # (actors/hf/staging.py); checked against the torch ops here, and they stay where it does not match.
+            self._stager = TritonStager.checked(self.device) or stage_torch
             self._marks: dict = {}
             self._prev_end = None
-            self._hooks.append(layers[0].register_forward_pre_hook(self._mark("first_layer")))
-            self._hooks.append(norm.register_forward_hook(self._mark("norm")))
+            self._hooks.append(self.decoder.layers[0].register_forward_pre_hook(self._mark("first_layer")))
+            self._hooks.append(self.decoder.norm.register_forward_hook(self._mark("norm")))
             self._copy_stream = torch.cuda.Stream()
             self._finisher = threading.Thread(target=self._finish_loop, name="hf-engine-finish", daemon=True)
             self._finisher.start()
@@ -196,6 +160,15 @@ class HFEngine:
                 raise
         logger.info("hf engine: %s on %s in %s, ready in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0)
         return self
+
+    @property
+    def base(self):
+        """The transformers decoder (after start())."""
+        return self.decoder.base
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
 
     def _warm_up(self) -> None:
         """One full forward of max_batch_tokens before the engine counts as started.
@@ -247,8 +220,10 @@ class HFEngine:
         if self._finisher is not None:
             self._done.put(None)
             self._finisher.join(timeout=60)
-        for h in getattr(self, "_hooks", []):
+        for h in self._hooks:
             h.remove()
+        self._hooks = []
+        self.decoder.close()
         self._worker = self._finisher = None
         with self._cv:
             for r in self._pending:
@@ -293,37 +268,7 @@ class HFEngine:
         futures = [self.submit(key, ids) for key, ids in requests]
         return {r.key: r for r in (f.result() for f in as_completed(futures))}
 
-    def states(self, requests: list[list[int]]):
-        """(aux [T, K*H], last [T, H]) float tensors on the CPU for each sequence, in order (no capture format).
-
-        Runs on the caller's thread with the same batching and hooks; only for an engine started with
-        capture=False (so the worker never runs a forward at the same time)."""
-        import torch
-
-        if self.capture_states:
-            raise RuntimeError("states() needs an engine started with capture=False")
-        reqs = [_Request(str(i), list(ids), Future(), 0.0) for i, ids in enumerate(requests)]
-        out: list = [None] * len(reqs)
-        pool = list(reqs)
-        while pool:
-            batch = self._take(pool)
-            self._forward(batch, record=True)
-            last = self._taken.pop(("last", 0))
-            aux = [self._taken.pop(("aux", k)) for k in range(len(self.aux_layers))]
-            for row, r in enumerate(batch):
-                n = len(r.ids)
-                a = torch.cat([x[row, :n] for x in aux], dim=-1) if aux else last[row, :0]
-                out[int(r.key)] = (a.float().cpu(), last[row, :n].float().cpu())
-        return out
-
     # ---- the worker ------------------------------------------------------------------------------
-
-    def _keep(self, slot):
-        def hook(_module, _inputs, output):
-            if self._recording:
-                self._taken[slot] = _first(output)
-
-        return hook
 
     def _mark(self, name):
         import torch
@@ -336,63 +281,17 @@ class HFEngine:
         return hook
 
     def _take(self, pool: list[_Request]) -> list[_Request]:
-        """Next forward: the longest request of the oldest caller batch sets the padded length T; the rest
-        are the longest waiting requests of at most T tokens (any batch), up to max_batch_tokens padded,
-        stopping early where padding would pass MAX_PADDING of the real tokens (once the forward holds
-        MIN_FILL of max_batch_tokens, enough to keep the device efficient).
+        return take_batch(pool, self.policy)
 
-        The oldest batch goes first so that caller batches keep completing while later ones run: while one
-        is encoded and committed, the requests of the others keep the device busy. (Loosely so: the filling
-        takes other batches' requests too, and on the H200 bench the first of 10 batches finished about
-        halfway through.) Plain longest-first would leave every caller batch's shortest requests to the end,
-        so all of them would finish together and the device would idle through their commits (a 30 % loss,
-        measured). Filling a forward to max_batch_tokens whatever the padding cost 6.8 % padded tokens at 32k
-        on the H200 job's prompts (measured; 13 % at 64k in a simulation), against 2-4 % for the bare engine;
-        with the cap, 5.0 % at 64k with the floor at a quarter of max_batch_tokens and 3.3 % with it at an
-        eighth (measured in-process, bench/results/job_h200.json): below the floor a forward takes whatever
-        is left, and near the end of a caller batch that meant short requests padded to a long one."""
-        oldest = min(r.order for r in pool)
-        head = max((r for r in pool if r.order == oldest), key=lambda r: len(r.ids))
-        longest = len(head.ids)
-        room = max(1, self.max_batch_tokens // max(longest, 1)) - 1
-        rest = sorted((r for r in pool if r is not head and len(r.ids) <= longest), key=lambda r: (-len(r.ids), r.order))
-        batch, real = [head], longest
-        for r in rest[:room]:
-            n = len(r.ids)
-            if longest * (len(batch) + 1) > (real + n) * (1 + MAX_PADDING) and longest * len(batch) >= self.max_batch_tokens * MIN_FILL:
-                break
-            batch.append(r)
-            real += n
-        taken = {id(r) for r in batch}
-        pool[:] = [r for r in pool if id(r) not in taken]
-        return batch
-
-    def _forward(self, batch: list[_Request], record: bool):
-        import torch
-
-        longest = len(batch[0].ids)
-        ids = np.zeros((len(batch), longest), dtype=np.int64)
-        for row, r in enumerate(batch):
-            ids[row, : len(r.ids)] = r.ids
+    def _forward(self, batch: list[_Request]) -> np.ndarray:
         self.batches += 1
         if self.first_forward_unix is None:
             self.first_forward_unix = time.time()
+        # Pinned on CUDA: from pageable memory CUDA would first wait for the device to go idle, and the next
+        # forward could only be launched once the GPU had run dry.
+        ids = self.decoder.forward([r.ids for r in batch], keep=True, pin=self.cuda)
         self.padded_tokens += ids.size
         self.real_tokens += sum(len(r.ids) for r in batch)
-        self._recording = record
-        _unpacked.active = True
-        try:
-            with torch.inference_mode():
-                host_ids = torch.from_numpy(ids)
-                if self.cuda:
-                    # From pinned memory the copy is queued behind the previous batch's work; from pageable
-                    # memory CUDA would first wait for the device to go idle, and the next forward could
-                    # only be launched once the GPU had run dry.
-                    host_ids = host_ids.pin_memory()
-                self.base(input_ids=host_ids.to(self.device, non_blocking=True), use_cache=False)
-        finally:
-            self._recording = False
-            _unpacked.active = False
         return ids
 
     def _work_loop(self) -> None:
@@ -422,16 +321,13 @@ class HFEngine:
             self._marks = {}  # a forward that failed leaves none behind for the next
         try:
             t0 = time.monotonic()
-            ids = self._forward(batch, record=self.capture_states)
+            ids = self._forward(batch)
             t1 = time.monotonic()
-            if not self.capture_states:  # the bare baseline: the same batches and overlap, nothing kept
-                staged = self._bare(batch)
-            else:
-                staged = self._stage(batch, ids)
+            staged = self._stage(batch, ids)
             self.timing["forward"] += t1 - t0
             self.timing["stage"] += time.monotonic() - t1
         except torch.cuda.OutOfMemoryError as e:
-            self._taken.clear()
+            self.decoder.discard()
             if len(batch) == 1:
                 batch[0].future.set_result(RequestResult(batch[0].key, None, f"out of memory: {e}", 0.0))
                 return
@@ -441,7 +337,7 @@ class HFEngine:
                 self._run([r])
             return
         except Exception as e:  # noqa: BLE001 - one batch's failure is its requests' error rows
-            self._taken.clear()
+            self.decoder.discard()
             for r in batch:
                 r.future.set_result(RequestResult(r.key, None, f"forward failed: {type(e).__name__}: {e}", 0.0))
             return
@@ -450,47 +346,32 @@ class HFEngine:
             marks, self._marks = self._marks, {}
             self._done.put((staged, marks))  # blocks while the previous batch's copy is still pending: two in flight
             self.timing["handoff"] += time.monotonic() - t0
-        elif self.capture_states:
-            self._resolve(*staged)
         else:
-            self._resolve_bare(batch)
+            self._resolve(staged)
 
-    def _bare(self, batch: list[_Request]):
-        if not self.cuda:
-            return None
-        self._mark("end")()
-        return batch, self._marks["end"]
-
-    def _resolve_bare(self, batch: list[_Request]) -> None:
-        now = time.monotonic()
-        self.last_done_unix = time.time()
-        for r in batch:
-            r.future.set_result(RequestResult(r.key, None, None, now - r.submitted))
-
-    def _stage(self, batch: list[_Request], ids: np.ndarray):
+    def _stage(self, batch: list[_Request], ids: np.ndarray) -> _Staged:
         """Byte planes [2, W, T] per request (aux, then last) in one buffer, plus the non-finite counts
         per padded position (summed per request on the host over its real positions: a device-side mask
-        would need the lengths copied up, a sync point). See actors/staging.py."""
+        would need the lengths copied up, a sync point). See actors/hf/staging.py."""
         import torch
 
-        aux = [self._taken.pop(("aux", k)) for k in range(len(self.aux_layers))]
-        last = self._taken.pop(("last", 0))
-        self._taken.clear()
+        aux, last = self.decoder.outputs()
         h = last.shape[-1]
         lengths = [len(r.ids) for r in batch]
-        w = len(aux) * h
         offsets = plane_offsets(lengths, len(aux) + 1, h)
-        staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
+        planes = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
         bad = torch.zeros(last.shape[:2], dtype=torch.int32, device=last.device)
-        self._stager([*aux, last], lengths, offsets, staging, bad)
+        self._stager([*aux, last], lengths, offsets, planes, bad)
         del aux, last
+        staged = _Staged(batch, ids, planes, offsets, bad, (len(self.aux_layers) * h, h))
         if not self.cuda:
-            return batch, ids, staging.numpy(), offsets, bad.numpy(), (w, h)
-        self._mark("end")()
-        # The finisher allocates the pinned memory and queues the copy after this event: allocating pinned
-        # memory can take a while, and this thread only launches device work. The staging tensors stay
-        # referenced (in this tuple) until the finisher has seen the copy end.
-        return batch, ids, staging, offsets, bad, (w, h)
+            staged.planes, staged.nonfinite = planes.numpy(), bad.numpy()
+        else:
+            # The finisher allocates the pinned memory and queues the copy after this event: allocating pinned
+            # memory can take a while, and this thread only launches device work. The staging tensors stay
+            # referenced (in `staged`) until the finisher has seen the copy end.
+            self._mark("end")()
+        return staged
 
     def _copy_to_host(self, staging, bad, end):
         """Queue one batch's device-to-host copy behind its staging (the event `end`): (host, counts, done)."""
@@ -516,27 +397,23 @@ class HFEngine:
             item = self._done.get()
             if item is None:
                 return
-            item, marks = item
-            batch = item[0]
+            staged, marks = item
             try:
-                if self.capture_states:
-                    _, ids, staging, offsets, bad, widths = item
-                    host, counts, done = self._copy_to_host(staging, bad, marks["end"])
-                else:
-                    done = item[1]
+                done = marks["end"]
+                if staged.planes is not None:  # a capture (the benchmark's bare engine stages nothing)
+                    host, counts, done = self._copy_to_host(staged.planes, staged.nonfinite, marks["end"])
                 t0 = time.monotonic()
                 done.synchronize()
                 t1 = time.monotonic()
                 self.timing["copy_wait"] += t1 - t0
                 self._device_time(marks)
-                if not self.capture_states:
-                    self._resolve_bare(batch)
-                    continue
-                del item, staging, bad  # copied: the device memory may go back to the pool
-                self._resolve(batch, ids, host.numpy(), offsets, counts.numpy(), widths)
+                if staged.planes is not None:
+                    # Copied: the device memory may go back to the pool.
+                    staged.planes, staged.nonfinite = host.numpy(), counts.numpy()
+                self._resolve(staged)
                 self.timing["resolve"] += time.monotonic() - t1
             except Exception as e:  # noqa: BLE001
-                for r in batch:
+                for r in staged.batch:
                     if not r.future.done():
                         r.future.set_result(RequestResult(r.key, None, f"copy failed: {type(e).__name__}: {e}", 0.0))
 
@@ -551,21 +428,21 @@ class HFEngine:
             self.timing["device_between"] += self._prev_end.elapsed_time(first) / 1000
         self._prev_end = end
 
-    def _resolve(self, batch, ids, body: np.ndarray, offsets, nonfinite, widths) -> None:
-        w, h = widths
+    def _resolve(self, staged: _Staged) -> None:
+        w, h = staged.widths
         now = time.monotonic()
         self.last_done_unix = time.time()
-        for row, r in enumerate(batch):
+        for row, r in enumerate(staged.batch):
             n = len(r.ids)
             header = {
                 "rid": r.key,
                 "num_tokens": n,
                 "prefix_len": 0,
-                "ids_sha256": _ids_sha256(ids[row, :n]),
-                "nonfinite": int(nonfinite[row, :n].sum()),
+                "ids_sha256": _ids_sha256(staged.ids[row, :n]),
+                "nonfinite": int(staged.nonfinite[row, :n].sum()),
                 "aux_shape": [n, w],
                 "last_shape": [n, h],
                 "source_dtype": self.dtype,
             }
-            cap = Capture(header, None, 0, body=body[offsets[row] : offsets[row + 1]])
+            cap = Capture(header, None, 0, body=staged.planes[staged.offsets[row] : staged.offsets[row + 1]])
             r.future.set_result(RequestResult(r.key, cap, None, now - r.submitted, r.key))

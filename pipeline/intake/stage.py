@@ -1,7 +1,7 @@
 """CPU stage between read and extract: every input row leaves as tokenized rows (one, or one per assistant turn), whatever it holds.
 
 Lines the read stage could not decode become error rows here (stage `read`); every other line goes to
-the tokenizer (pipeline/tokenize.py). The tokenizer turns the bad rows it knows into error rows itself;
+the tokenizer (pipeline/intake/tokenize.py). The tokenizer turns the bad rows it knows into error rows itself;
 anything else it raises on one line (a 5,000-digit integer, JSON nested beyond the recursion limit, a bug)
 becomes an error row for that line too, so one row can never abort the job or vanish from the totals.
 """
@@ -12,8 +12,8 @@ import logging
 
 import pyarrow as pa
 
-from pipeline.normalize import bytes_id
-from pipeline.tokenize import TOKENIZED_SCHEMA, Tokenize
+from pipeline.intake.normalize import bytes_id
+from pipeline.intake.tokenize import TOKENIZED_SCHEMA, Tokenize
 
 logger = logging.getLogger(__name__)
 

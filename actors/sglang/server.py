@@ -22,6 +22,8 @@ from pathlib import Path
 
 import requests
 
+from actors.engine import EngineDied
+
 from patches.sglang import server_pythonpath
 
 logger = logging.getLogger(__name__)
@@ -52,10 +54,6 @@ _OWNED_FLAGS = (
 )
 
 
-class EngineDied(RuntimeError):
-    """The server process is gone or unhealthy; the actor must fail so Ray restarts it."""
-
-
 @dataclass(frozen=True)
 class ServerSpec:
     model_dir: Path
@@ -79,7 +77,7 @@ class ServerSpec:
             if name.startswith("--") and any(owned.startswith(name) for owned in _OWNED_FLAGS):
                 raise ValueError(
                     f"engine.server_flags may not set {name}: hidden-harvest sets it so hidden states are "
-                    "complete and captured (see actors/sglang_server.py)"
+                    "complete and captured (see actors/sglang/server.py)"
                 )
 
 

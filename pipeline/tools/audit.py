@@ -1,6 +1,6 @@
 """`harvest audit`: recompute committed samples in float32 and compare them with what was stored.
 
-The reference is the transformers engine (actors/hf_engine.py) run in float32 on the model the manifest
+The reference is the transformers engine (actors/hf/engine.py) run in float32 on the model the manifest
 names, sharing no code with the SGLang capture path (server, hook, dump, validation). For each audited
 sample and each stored layer (every aux layer, then the final state) it reports the per-token cosine
 between stored bf16 and reference float32 (mean and minimum) and the largest absolute difference. A
@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline import model as model_lib
-from pipeline.manifest import read_manifest
-from pipeline.shards import decode_row, list_shards, read_layout, shard_sample_ids
-from pipeline.storage import Store
+from pipeline.intake import model as model_lib
+from pipeline.format.manifest import read_manifest
+from pipeline.format.shards import decode_row, list_shards, read_layout, shard_sample_ids
+from pipeline.format.storage import Store
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class AuditReport:
             "output": self.output,
             "model": self.model,
             "device": self.device,
-            "reference": "transformers, float32 (actors/hf_engine.py)",
+            "reference": "transformers, float32 (actors/hf/engine.py)",
             "thresholds": vars(self.thresholds),
             "passed": self.ok,
             "samples": self.samples,
@@ -192,7 +192,7 @@ def pick_samples(store: Store, samples: int | None, seed: int) -> dict[str, list
 
 def audit(output: str, samples: int | None = DEFAULT_SAMPLES, device: str = "cpu", seed: int = 0,
           thresholds: Thresholds = Thresholds(), model: str | None = None, max_batch_tokens: int | None = None) -> AuditReport:  # fmt: skip
-    from actors.hf_engine import HFEngine
+    from actors.hf.engine import HFEngine
 
     t0 = time.monotonic()
     store = Store(output)

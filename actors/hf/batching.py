@@ -1,0 +1,57 @@
+"""Which waiting requests the hf engine's next forward takes: a pure function of the pool and a policy.
+
+It runs on the engine's forward thread between forwards, and in bench/sim_take.py without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, TypeVar
+
+
+class Waiting(Protocol):
+    ids: Sequence[int]
+    order: float  # the caller batch's age: lower is older
+
+
+R = TypeVar("R", bound=Waiting)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_tokens: int
+    # Most padded tokens a forward may carry, as a share of its real ones.
+    max_padding: float = 0.03
+    # Below this share of max_batch_tokens a forward fills whatever the padding.
+    min_fill: float = 0.125
+
+
+def take_batch(pool: list[R], policy: BatchPolicy) -> list[R]:
+    """Next forward: the longest request of the oldest caller batch sets the padded length T; the rest are the
+    longest waiting requests of at most T tokens (any batch), up to max_batch_tokens padded, stopping early
+    where padding would pass `max_padding` of the real tokens once the forward holds `min_fill` of the budget.
+
+    The oldest batch goes first so that caller batches keep completing while later ones run: while one is
+    encoded and committed, the requests of the others keep the device busy. Plain longest-first would leave
+    every caller batch's shortest requests to the end, all batches would finish together and the device would
+    idle through their commits. The padding cap keeps forwards from carrying short requests padded to a long
+    one; below the fill floor a forward takes whatever is left. The settings and what they cost are measured
+    in bench/results/take_simulation.json and job_h200.json.
+
+    The taken requests leave `pool` (in place); the first of the result is the longest."""
+    oldest = min(r.order for r in pool)
+    head = max((r for r in pool if r.order == oldest), key=lambda r: len(r.ids))
+    longest = len(head.ids)
+    room = max(1, policy.max_batch_tokens // max(longest, 1)) - 1
+    rest = sorted((r for r in pool if r is not head and len(r.ids) <= longest), key=lambda r: (-len(r.ids), r.order))
+    batch, real = [head], longest
+    for r in rest[:room]:
+        n = len(r.ids)
+        over_padded = longest * (len(batch) + 1) > (real + n) * (1 + policy.max_padding)
+        if over_padded and longest * len(batch) >= policy.max_batch_tokens * policy.min_fill:
+            break
+        batch.append(r)
+        real += n
+    taken = {id(r) for r in batch}
+    pool[:] = [r for r in pool if id(r) not in taken]
+    return batch

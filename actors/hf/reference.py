@@ -1,0 +1,66 @@
+"""Float hidden states of whole sequences from transformers, on the caller's thread: no capture format,
+no worker threads. `harvest audit` runs it in float32 (the truth) and in bfloat16 (the noise yardstick,
+pipeline/tools/fidelity.py); it shares the decoder and the batching with the capturing engine, and nothing
+with the SGLang path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.hf.batching import BatchPolicy, take_batch
+from actors.hf.decoder import Decoder
+
+_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class _Sequence:
+    index: int
+    ids: list[int]
+    order: float = 0.0
+    kept: list = field(default_factory=list)
+
+
+class ReferenceStates:
+    def __init__(self, model_dir, aux_layers: tuple[int, ...], device: str = "cpu", dtype: str = "float32",
+                 max_batch_tokens: int = 2048, cpu_threads: int | None = None, attn_implementation: str = "sdpa"):  # fmt: skip
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        self.decoder = Decoder(str(model_dir), tuple(aux_layers), device, dtype, attn_implementation)
+        self.policy = BatchPolicy(max_batch_tokens)
+        self.cpu_threads = cpu_threads
+        self.batches = 0
+
+    def start(self) -> ReferenceStates:
+        import torch
+
+        if self.decoder.device == "cpu" and self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        self.decoder.load()
+        return self
+
+    def close(self) -> None:
+        self.decoder.close()
+
+    def __enter__(self) -> ReferenceStates:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def states(self, sequences: list[list[int]]) -> list:
+        """(aux [T, K*H], last [T, H]) float32 CPU tensors for each sequence, in order."""
+        import torch
+
+        pool = [_Sequence(i, list(ids)) for i, ids in enumerate(sequences)]
+        out: list = [None] * len(pool)
+        while pool:
+            batch = take_batch(pool, self.policy)
+            self.decoder.forward([s.ids for s in batch], keep=True)
+            self.batches += 1
+            aux, last = self.decoder.outputs()
+            for row, s in enumerate(batch):
+                n = len(s.ids)
+                a = torch.cat([x[row, :n] for x in aux], dim=-1) if aux else last[row, :0]
+                out[s.index] = (a.float().cpu(), last[row, :n].float().cpu())
+        return out

@@ -1,0 +1,64 @@
+"""The plan of a run: the model, the shard layout, the device and the settings that change a sample's bytes.
+
+Made before Ray starts any work; a configuration that cannot be planned raises PlanError, which preflight
+reports as one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from conf import HarvestConfig
+from pipeline.format.shards import ShardLayout
+from pipeline.intake import model as model_lib
+from pipeline.intake.tokenize import fingerprint_tokenizer
+
+
+class PlanError(ValueError):
+    """The run cannot be planned as configured; the message names the setting and what to change."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_dir: Path
+    layout: ShardLayout
+    cuda: bool
+    settings: dict  # everything that changes the bytes of a sample
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """SGLang's EAGLE-3 default capture layers."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
+    """Raises PlanError, whose message names the setting and what to change."""
+    try:
+        model_dir = model_lib.resolve_model(cfg.model.path)
+    except model_lib.ModelNotFound as e:
+        raise PlanError(str(e)) from None
+    try:
+        n_layers, hidden = model_lib.num_hidden_layers(model_dir), model_lib.hidden_size(model_dir)
+        fingerprints = {"model_sha256": model_lib.model_fingerprint(model_dir), **fingerprint_tokenizer(model_dir)}
+    except (OSError, ValueError, KeyError) as e:
+        raise PlanError(f"model.path {cfg.model.path!r} cannot be used: {type(e).__name__}: {e}") from None
+    aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
+    if max(aux) >= n_layers:
+        raise PlanError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
+    layout = ShardLayout(tuple(aux), hidden, cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state)
+    cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
+    settings = {
+        "format_version": layout.metadata()["format_version"],
+        **fingerprints,
+        "aux_layers": list(aux),
+        "hidden_size": layout.hidden_size,
+        "max_tokens": cfg.extract.max_tokens,
+        "overlength": cfg.extract.overlength,
+        "encoding": cfg.output.encoding,
+        "last_hidden_state_rows": cfg.output.last_hidden_state,
+        "id_field": cfg.input.id_field,
+        "turns": cfg.extract.turns,
+        "template_kwargs": dict(cfg.extract.template_kwargs),
+    }
+    return Plan(model_dir, layout, cuda, settings)
