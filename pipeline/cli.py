@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from pipeline.fidelity import SAMPLE_FACTOR, TOKEN_FACTOR
+
 logger = logging.getLogger("harvest")
 
 
@@ -79,11 +81,12 @@ def cmd_verify(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from pipeline.audit import Thresholds, audit
+    from pipeline.audit import audit
+    from pipeline.fidelity import NoiseRule
 
     samples = None if args.samples == "all" else int(args.samples)
     report = audit(args.output, samples=samples, device=args.device, seed=args.seed, model=args.model,
-                   thresholds=Thresholds(args.min_mean_cosine, args.min_cosine, args.max_norm_error))  # fmt: skip
+                   rule=NoiseRule(args.sample_factor, args.token_factor))  # fmt: skip
     print(report.text())
     print(f"report: {report.output.rstrip('/')}/audit.json")
     return 0 if report.ok else 1
@@ -110,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="integrity scan of an output; exit code 0 only when every check holds")
     p.add_argument("output")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("audit", help="recompute random committed samples in float32 with transformers and compare")
+    p = sub.add_parser("audit", help="recompute random committed samples with transformers and judge them by bf16 noise")
     p.add_argument("output")
     p.add_argument("--samples", type=_samples, default="16", help="how many random samples, or `all` (default 16)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
     p.add_argument("--model", help="the model directory, when it is not where the manifest says")
-    p.add_argument("--min-mean-cosine", type=float, default=0.9995, help="per sample and layer (default 0.9995)")
-    p.add_argument("--min-cosine", type=float, default=0.99, help="per token, per sample and layer (default 0.99)")
-    p.add_argument("--max-norm-error", type=float, default=0.02,
-                   help="per sample and layer, mean of | |stored|/|reference| - 1 | over tokens (default 0.02)")
+    p.add_argument("--sample-factor", type=float, default=SAMPLE_FACTOR,
+                   help="a sample's mean distance to float32 may be this many times a bf16 forward's (default %(default)s)")
+    p.add_argument("--token-factor", type=float, default=TOKEN_FACTOR,
+                   help="a token's distance may be this many times the bf16 forward's there (default %(default)s)")
     p.set_defaults(fn=cmd_audit)
     args = parser.parse_args(argv)
     _setup_logging()

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tests_support import free_ports
+from tests_support import References, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT / "conf" / "data" / "sample_conversations.jsonl"
@@ -42,6 +42,14 @@ def model_dir() -> Path:
     from pipeline.model import prepare_default_model
 
     return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def references(model_dir):
+    """float32 truth and bf16 yardstick of any token sequence, for judging stored states (tests_support.References)."""
+    refs = References(model_dir)
+    yield refs
+    refs.close()
 
 
 @pytest.fixture(scope="session")

@@ -90,19 +90,24 @@ def _cosines_against_transformers(out, model_dir, pick):
 
 
 def test_float32_server_matches_transformers_per_token(harvest_run_fp32, model_dir):
-    """With the server in float32 only bf16 storage rounding remains: every token of every layer agrees."""
+    """With the server in float32 only bf16 storage rounding remains: every token of every layer agrees.
+    (A fixed bound holds here: rounding to bf16 moves each value by at most 2^-9 of itself, so the cosine
+    of a rounded token stays above 0.99999; float32 kernels differ by ~1e-6.)"""
     out, _ = harvest_run_fp32
     for sid, layer, cos in _cosines_against_transformers(out, model_dir, lambda s: s):
         assert cos.min().item() >= 0.999, f"{sid} layer {layer}: min per-token cosine {cos.min():.5f}"
 
 
-def test_default_bf16_run_matches_transformers_within_bf16_noise(harvest_run, model_dir):
-    """The default bf16 server: HF's own bf16 forward is itself ~0.997 min per token against fp32, so the
-    bound here is on the mean, with a floor on the worst token that still catches a wrong row or layer."""
+def test_default_bf16_run_matches_transformers_within_bf16_noise(harvest_run, references):
+    """The default bf16 server, every sample and layer: within bf16 noise of a float32 transformers forward,
+    judged by how far a bf16 forward of the same tokens is from it (single tokens of a healthy run reach
+    cosine 0.99 and below, so no fixed cosine bound holds; the rule's own test shows what it still catches)."""
     out, _ = harvest_run
-    for sid, layer, cos in _cosines_against_transformers(out, model_dir, lambda s: [s[len(s) // 2], s[-1]]):
-        assert cos.mean().item() >= 0.9995, f"{sid} layer {layer}: mean per-token cosine {cos.mean():.5f}"
-        assert cos.min().item() >= 0.99, f"{sid} layer {layer}: min per-token cosine {cos.min():.5f}"
+    layers = read_manifest(Store(str(out)))["aux_layers"]
+    samples = list(open_shards(str(out), as_torch=False))
+    assert len(samples) >= 16
+    for s in samples:
+        references.check(s["sample_id"], layers, s["input_ids"], s["aux_hidden_states"], s["last_hidden_state"])
 
 
 def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_session):
