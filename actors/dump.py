@@ -50,7 +50,9 @@ class Capture:
                 finally:
                     self.close()
                 if got != size:
-                    raise DumpError(f"dump for {self.header.get('rid')} shrank while being read ({got} of {size} bytes)")
+                    raise DumpError(
+                        f"dump for {self.header.get('rid')} shrank while being read ({got} of {size} bytes)"
+                    )
                 self._body = np.frombuffer(buf, np.uint8)
             return self._body
 
@@ -83,7 +85,9 @@ class Capture:
         finally:
             self.close()
         if got != 2 * (na + nl):
-            raise DumpError(f"dump for {self.header.get('rid')} shrank while being read ({got} of {2 * (na + nl)} bytes)")
+            raise DumpError(
+                f"dump for {self.header.get('rid')} shrank while being read ({got} of {2 * (na + nl)} bytes)"
+            )
         return codec.finish(va, na, his[0]), codec.finish(vl, nl, his[1])
 
     def bits(self) -> tuple[np.ndarray, np.ndarray]:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import importlib
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from actors.dump import Capture
+from actors.dump import Capture
 
 
 class EngineDied(RuntimeError):

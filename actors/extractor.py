@@ -25,8 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import pyarrow as pa
 
-from actors.metrics import ExtractorMetrics
 from actors.engine import Engine, engine_class
+from actors.metrics import ExtractorMetrics
 from actors.validate import check_capture
 from pipeline.format.manifest import ERROR_DIR
 from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter, encode_sample, ids_digest
@@ -54,8 +54,15 @@ RESULT_SCHEMA = pa.schema(
 
 
 class HiddenStateExtractor:
-    def __init__(self, engine_name: str, engine_kwargs: dict, layout: ShardLayout, output_url: str, retries: int,
-                 encode_threads: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine_name: str,
+        engine_kwargs: dict,
+        layout: ShardLayout,
+        output_url: str,
+        retries: int,
+        encode_threads: int | None = None,
+    ):
         self.layout = layout
         self.retries = retries
         self.store = Store(output_url)
@@ -94,7 +101,12 @@ class HiddenStateExtractor:
         counters = self.engine.stats()
         engine_stats = json.dumps(counters) if counters else ""
         for r in results:
-            r.update(actor=self.actor, engine_ready_unix=self.ready_unix, batch_started_unix=started, engine_stats=engine_stats)
+            r.update(
+                actor=self.actor,
+                engine_ready_unix=self.ready_unix,
+                batch_started_unix=started,
+                engine_stats=engine_stats,
+            )
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
     def _commit(self, rows: list[dict], failed: dict, latency: dict, shard: ShardWriter) -> list[dict]:
@@ -106,8 +118,15 @@ class HiddenStateExtractor:
             if r["status"] != "ok":
                 error_rows.append({k: r[k] for k in ("sample_id", "source", "status", "stage", "reason")})
             elif sid in failed:
-                error_rows.append({"sample_id": sid, "source": r["source"], "status": "error", "stage": "extract",
-                                   "reason": failed[sid]})  # fmt: skip
+                error_rows.append(
+                    {
+                        "sample_id": sid,
+                        "source": r["source"],
+                        "status": "error",
+                        "stage": "extract",
+                        "reason": failed[sid],
+                    }
+                )
 
         digest = ids_digest([r["sample_id"] for r in rows])
         if error_rows:
@@ -149,7 +168,9 @@ class HiddenStateExtractor:
             for fut in as_completed(futures):  # each sample is encoded while the others are still being captured
                 res = fut.result()
                 sid, row = res.key, todo[res.key]
-                reason = res.error or check_capture(res.capture, row["input_ids"], self.layout.aux_width, self.layout.hidden_size)
+                reason = res.error or check_capture(
+                    res.capture, row["input_ids"], self.layout.aux_width, self.layout.hidden_size
+                )
                 if reason is None:
                     encoding.append(self.pool.submit(self._encode, sid, row, res.capture))
                     latency[sid] = res.latency_s
@@ -161,7 +182,13 @@ class HiddenStateExtractor:
                     pending.append(sid)
                 drain(wait=False)
             if pending:
-                logger.warning("attempt %d: %d of %d samples failed, e.g. %s", attempt + 1, len(pending), len(todo), failed[pending[0]])
+                logger.warning(
+                    "attempt %d: %d of %d samples failed, e.g. %s",
+                    attempt + 1,
+                    len(pending),
+                    len(todo),
+                    failed[pending[0]],
+                )
                 time.sleep(min(2.0**attempt, 10.0))
         drain(wait=True)
         return failed, latency
@@ -187,5 +214,13 @@ def _split_exact(total: int, weights: list[int]) -> list[int]:
 
 
 def _result(sid, status, stage, reason, num_tokens, nbytes=0, shard="", latency_s=0.0) -> dict:
-    return {"sample_id": sid, "status": status, "stage": stage, "reason": reason, "num_tokens": num_tokens,
-            "bytes": nbytes, "shard": shard, "latency_s": latency_s}  # fmt: skip
+    return {
+        "sample_id": sid,
+        "status": status,
+        "stage": stage,
+        "reason": reason,
+        "num_tokens": num_tokens,
+        "bytes": nbytes,
+        "shard": shard,
+        "latency_s": latency_s,
+    }

@@ -8,7 +8,9 @@ class ExtractorMetrics:
     def __init__(self):
         from ray.util.metrics import Counter, Histogram
 
-        self.samples = Counter("harvest_samples", "Samples handled by extractor actors, by final status.", tag_keys=("status",))
+        self.samples = Counter(
+            "harvest_samples", "Samples handled by extractor actors, by final status.", tag_keys=("status",)
+        )
         self.tokens = Counter("harvest_tokens", "Tokens of samples committed to shards.")
         self.bytes = Counter("harvest_bytes_written", "Exact bytes of committed shards.")
         self.latency = Histogram(

@@ -38,7 +38,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--prompts", type=Path, required=True)
-    ap.add_argument("--out-dir", type=Path, required=True, help="where the extractor commits its shards (removed after)")
+    ap.add_argument(
+        "--out-dir", type=Path, required=True, help="where the extractor commits its shards (removed after)"
+    )
     ap.add_argument("--max-batch-tokens", type=int, default=65536)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--calls", type=int, default=8, help="extractor calls at once (engine.batches_per_actor)")
@@ -49,10 +51,10 @@ def main() -> None:
     import pyarrow as pa
 
     import actors.extractor as extractor
-    from actors.hf.engine import HFEngine
-    from pipeline.intake import model as model_lib
+    from bench.bare_hf import BareHFEngine
     from pipeline.driver.plan import default_aux_layers
     from pipeline.format.shards import ShardLayout
+    from pipeline.intake import model as model_lib
 
     extractor.ExtractorMetrics = _NoMetrics
     prompts = [json.loads(line) for line in args.prompts.open()]
@@ -60,16 +62,20 @@ def main() -> None:
     aux = default_aux_layers(model_lib.num_hidden_layers(args.model))
     layout = ShardLayout(aux, model_lib.hidden_size(args.model))
     warm = [(f"w{i}", p["input_ids"]) for i, p in enumerate(prompts[:32])]
-    result = {"benchmark": "extractor stage in-process (no Ray) vs the bare hf engine, same prompts",
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-              "command": shlex.join(["python", "bench/bench_actor_inprocess.py"] + sys.argv[1:]),
-              "prompts": len(prompts), "tokens": tokens, "max_batch_tokens": args.max_batch_tokens}  # fmt: skip
+    result = {
+        "benchmark": "extractor stage in-process (no Ray) vs the bare hf engine, same prompts",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": shlex.join(["python", "bench/bench_actor_inprocess.py"] + sys.argv[1:]),
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "max_batch_tokens": args.max_batch_tokens,
+    }
     if args.device == "cuda":
         import torch
 
         result["machine"] = torch.cuda.get_device_name(0)
 
-    with HFEngine(str(args.model), aux, device=args.device, capture=False, max_batch_tokens=args.max_batch_tokens) as bare:
+    with BareHFEngine(str(args.model), aux, device=args.device, max_batch_tokens=args.max_batch_tokens) as bare:
         bare.capture(warm)
         bare.reset_stats()
         t0 = time.monotonic()
@@ -78,13 +84,26 @@ def main() -> None:
     print("bare", json.dumps(result["bare"]), flush=True)
 
     batches = [
-        pa.Table.from_pylist([{"sample_id": p["id"], "source": f"{args.prompts.name}:{i + j + 1}", "input_ids": p["input_ids"],
-                               "loss_mask": [1] * len(p["input_ids"]), "status": "ok", "stage": "", "reason": ""}
-                              for j, p in enumerate(prompts[i : i + args.batch_size])])  # fmt: skip
+        pa.Table.from_pylist(
+            [
+                {
+                    "sample_id": p["id"],
+                    "source": f"{args.prompts.name}:{i + j + 1}",
+                    "input_ids": p["input_ids"],
+                    "loss_mask": [1] * len(p["input_ids"]),
+                    "status": "ok",
+                    "stage": "",
+                    "reason": "",
+                }
+                for j, p in enumerate(prompts[i : i + args.batch_size])
+            ]
+        )
         for i in range(0, len(prompts), args.batch_size)
     ]
     shutil.rmtree(args.out_dir, ignore_errors=True)
-    engine_kwargs = dict(model_dir=str(args.model), aux_layers=aux, device=args.device, max_batch_tokens=args.max_batch_tokens)
+    engine_kwargs = dict(
+        model_dir=str(args.model), aux_layers=aux, device=args.device, max_batch_tokens=args.max_batch_tokens
+    )
     stage = extractor.HiddenStateExtractor("hf", engine_kwargs, layout, str(args.out_dir), retries=0)
     try:
         stage.engine.capture(warm)
@@ -104,13 +123,24 @@ def main() -> None:
         stage.close()
         shutil.rmtree(args.out_dir, ignore_errors=True)
     ok = sum(r["status"] == "ok" for r in rows)
-    result["actor"] = {"tok_s": round(tokens / seconds, 1), "seconds": round(seconds, 2), "samples_ok": ok, "samples": len(prompts),
-                       "batches_done_at_s": sorted(finished), "engine": stage.engine.stats()}  # fmt: skip
+    result["actor"] = {
+        "tok_s": round(tokens / seconds, 1),
+        "seconds": round(seconds, 2),
+        "samples_ok": ok,
+        "samples": len(prompts),
+        "batches_done_at_s": sorted(finished),
+        "engine": stage.engine.stats(),
+    }
     result["ratio_vs_bare"] = round(result["actor"]["tok_s"] / result["bare"]["tok_s"], 3)
     print("actor", json.dumps(result["actor"]), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("tokens", "ratio_vs_bare")} | {"bare_tok_s": result["bare"]["tok_s"], "actor_tok_s": result["actor"]["tok_s"]}))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("tokens", "ratio_vs_bare")}
+            | {"bare_tok_s": result["bare"]["tok_s"], "actor_tok_s": result["actor"]["tok_s"]}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,16 @@ from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter  # no
 from pipeline.format.storage import Store  # noqa: E402
 
 K = 3
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)  # fmt: skip
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
 
 
 def load_hook():
@@ -100,7 +108,9 @@ def forward_seconds(hook, lens, device, layers: int | None, dump_dir: Path, repe
             for mode in ("bare", "hooked"):
                 sync(device)
                 t0 = time.perf_counter()
-                for i, x in enumerate(ids):  # the model body: what runs before the logits processor, where the hook sits
+                for i, x in enumerate(
+                    ids
+                ):  # the model body: what runs before the logits processor, where the hook sits
                     hs = model.model(x, output_hidden_states=True).hidden_states
                     if mode == "hooked":
                         aux = [hs[j + 1][0] for j in aux_ids]
@@ -116,8 +126,12 @@ def forward_seconds(hook, lens, device, layers: int | None, dump_dir: Path, repe
     if device.type == "cuda":
         torch.cuda.empty_cache()
     bare, hooked = min(times["bare"]), min(times["hooked"])
-    return {"forward_s": bare, "forward_with_hook_s": hooked, "forward_tok_s": sum(lens) / bare,
-            "in_situ_hook_over_forward": (hooked - bare) / bare}  # fmt: skip
+    return {
+        "forward_s": bare,
+        "forward_with_hook_s": hooked,
+        "forward_tok_s": sum(lens) / bare,
+        "in_situ_hook_over_forward": (hooked - bare) / bare,
+    }
 
 
 def hook_seconds(hook, lens, hidden: int, device, dump_dir: Path, repeats: int) -> dict:
@@ -149,14 +163,25 @@ def hook_seconds(hook, lens, hidden: int, device, dump_dir: Path, repeats: int) 
                     dump_path(dump_dir, r).unlink()
     raw = rows * (K + 1) * hidden * 2
     call, stream, copy = (min(r[i] for r in runs) for i in range(3))
-    return {"tokens": rows, "raw_bytes": raw, "hook_call_s": call, "hook_s": stream, "hook_us_per_token": stream / rows * 1e6,
-            "hook_call_us_per_token": call / rows * 1e6, "copy_done_s": copy, "copy_GB_s": raw / copy / 1e9,
-            "published_s": min(publish),
-            "writer_GB_s": raw / min(publish) / 1e9, "rids": rids,
-            "ids": np.split(ids.cpu().numpy(), np.cumsum(lens)[:-1])}  # fmt: skip
+    return {
+        "tokens": rows,
+        "raw_bytes": raw,
+        "hook_call_s": call,
+        "hook_s": stream,
+        "hook_us_per_token": stream / rows * 1e6,
+        "hook_call_us_per_token": call / rows * 1e6,
+        "copy_done_s": copy,
+        "copy_GB_s": raw / copy / 1e9,
+        "published_s": min(publish),
+        "writer_GB_s": raw / min(publish) / 1e9,
+        "rids": rids,
+        "ids": np.split(ids.cpu().numpy(), np.cumsum(lens)[:-1]),
+    }
 
 
-def actor_path(dump_dir: Path, rids: list[str], ids: list[list[int]], hidden: int, out_dir: Path, threads: int, batches: int) -> dict:
+def actor_path(
+    dump_dir: Path, rids: list[str], ids: list[list[int]], hidden: int, out_dir: Path, threads: int, batches: int
+) -> dict:
     layout = ShardLayout(tuple(range(K)), hidden)
     store = Store(str(out_dir))
     pool = ThreadPoolExecutor(threads)
@@ -196,8 +221,15 @@ def actor_path(dump_dir: Path, rids: list[str], ids: list[list[int]], hidden: in
     stored = sum(r[1] for r in results)
     for r in results:
         store.remove(r[0])
-    return {"threads": threads, "batches": batches, "seconds": dt, "actor_raw_GB_s": raw / dt / 1e9, "ratio_vs_raw": stored / raw,
-            "encode_and_write_s": max(r[2] for r in results), "commit_tail_s": max(r[3] for r in results)}  # fmt: skip
+    return {
+        "threads": threads,
+        "batches": batches,
+        "seconds": dt,
+        "actor_raw_GB_s": raw / dt / 1e9,
+        "ratio_vs_raw": stored / raw,
+        "encode_and_write_s": max(r[2] for r in results),
+        "commit_tail_s": max(r[3] for r in results),
+    }
 
 
 def disk_write_GB_s(directory: Path, total: int, writers: int) -> float:
@@ -228,7 +260,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers of the 8B-shape model (default: all 32)")
     ap.add_argument("--disk-dir", default=None, help="a directory on the disk (default: a temp dir beside the repo)")
     ap.add_argument("--threads", default="1,4,8,16")
-    ap.add_argument("--batches", default="1,2,4", help="batches encoded and committed at once (engine.batches_per_actor)")
+    ap.add_argument(
+        "--batches", default="1,2,4", help="batches encoded and committed at once (engine.batches_per_actor)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -238,22 +272,32 @@ def main() -> None:
     disk = Path(tempfile.mkdtemp(prefix="hh-bench-", dir=args.disk_dir or ROOT))
     result = {
         "command": "python bench/bench_data_path_gpu.py " + " ".join(sys.argv[1:]),
-        "machine": (torch.cuda.get_device_name() if device.type == "cuda" else "CPU") + f", {os.cpu_count()} CPU cores, {platform.machine()}",
+        "machine": (torch.cuda.get_device_name() if device.type == "cuda" else "CPU")
+        + f", {os.cpu_count()} CPU cores, {platform.machine()}",
         "date": datetime.date.today().isoformat(),
-        "requests": len(lens), "tokens": sum(lens), "aux_layers": K, "torch": torch.__version__,
-    }  # fmt: skip
+        "requests": len(lens),
+        "tokens": sum(lens),
+        "aux_layers": K,
+        "torch": torch.__version__,
+    }
     try:
         f = forward_seconds(hook, lens, device, args.layers, shm, max(1, args.repeats - 1))
         result.update(f)
         fwd = f["forward_s"]
-        print(f"forward (Llama-3-8B shape, {sum(lens):,} tokens): {fwd:.3f} s = {f['forward_tok_s']:,.0f} tok/s; "
-              f"with the hook on every request {f['forward_with_hook_s']:.3f} s ({f['in_situ_hook_over_forward']:+.4f})", flush=True)
+        print(
+            f"forward (Llama-3-8B shape, {sum(lens):,} tokens): {fwd:.3f} s = {f['forward_tok_s']:,.0f} tok/s; "
+            f"with the hook on every request {f['forward_with_hook_s']:.3f} s ({f['in_situ_hook_over_forward']:+.4f})",
+            flush=True,
+        )
         for hidden in (4096, 7168):
             h = hook_seconds(hook, lens, hidden, device, shm, args.repeats)
             rids, ids = h.pop("rids"), [x.tolist() for x in h.pop("ids")]
             result[f"hook_H{hidden}"] = h
-            print(f"hook H={hidden}: {h['hook_us_per_token']:.3f} us/token on the forward stream ({h['hook_call_us_per_token']:.3f} in the call), "
-                  f"side-stream copy {h['copy_GB_s']:.1f} GB/s, writer publishes {h['writer_GB_s']:.2f} GB/s", flush=True)  # fmt: skip
+            print(
+                f"hook H={hidden}: {h['hook_us_per_token']:.3f} us/token on the forward stream ({h['hook_call_us_per_token']:.3f} in the call), "
+                f"side-stream copy {h['copy_GB_s']:.1f} GB/s, writer publishes {h['writer_GB_s']:.2f} GB/s",
+                flush=True,
+            )
             if hidden == 4096:
                 result["hook_over_forward"] = h["hook_s"] / fwd
                 print(f"hook_over_forward = {result['hook_over_forward']:.4f} (target <= 0.03)", flush=True)
@@ -264,18 +308,30 @@ def main() -> None:
                             r = actor_path(shm, rids, ids, hidden, d, threads, batches)
                             r["target"] = where
                             paths.append(r)
-                            print(f"actor path -> {where}: {threads:2d} threads, {batches} batch(es): {r['actor_raw_GB_s']:.2f} GB/s raw, "
-                                  f"ratio {r['ratio_vs_raw']:.4f} (encode + write {r['encode_and_write_s']:.2f} s, then commit {r['commit_tail_s']:.2f} s)", flush=True)  # fmt: skip
+                            print(
+                                f"actor path -> {where}: {threads:2d} threads, {batches} batch(es): {r['actor_raw_GB_s']:.2f} GB/s raw, "
+                                f"ratio {r['ratio_vs_raw']:.4f} (encode + write {r['encode_and_write_s']:.2f} s, then commit {r['commit_tail_s']:.2f} s)",
+                                flush=True,
+                            )
                 result["actor_path"] = paths
                 best = max((p for p in paths if p["target"] == "shm"), key=lambda p: p["actor_raw_GB_s"])
                 best_disk = max((p for p in paths if p["target"] == "disk"), key=lambda p: p["actor_raw_GB_s"])
-                result.update(actor_raw_GB_s=best["actor_raw_GB_s"], threads=best["threads"], batches=best["batches"],
-                              ratio_vs_raw=best["ratio_vs_raw"], actor_raw_GB_s_disk=best_disk["actor_raw_GB_s"],
-                              threads_disk=best_disk["threads"], batches_disk=best_disk["batches"])  # fmt: skip
+                result.update(
+                    actor_raw_GB_s=best["actor_raw_GB_s"],
+                    threads=best["threads"],
+                    batches=best["batches"],
+                    ratio_vs_raw=best["ratio_vs_raw"],
+                    actor_raw_GB_s_disk=best_disk["actor_raw_GB_s"],
+                    threads_disk=best_disk["threads"],
+                    batches_disk=best_disk["batches"],
+                )
             for r in rids:
                 dump_path(shm, r).unlink(missing_ok=True)
         total = min(4 << 30, int(sum(lens) * 32 * 1024 * 0.7))
-        result["disk_write_GB_s"] = {"1_writer": disk_write_GB_s(disk, total, 1), "8_writers": disk_write_GB_s(disk, total, 8)}
+        result["disk_write_GB_s"] = {
+            "1_writer": disk_write_GB_s(disk, total, 1),
+            "8_writers": disk_write_GB_s(disk, total, 8),
+        }
         result["shm_write_GB_s"] = {"1_writer": disk_write_GB_s(shm, total, 1)}
         print(f"disk write (fsync): {result['disk_write_GB_s']}; /dev/shm: {result['shm_write_GB_s']}", flush=True)
     finally:

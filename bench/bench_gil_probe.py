@@ -50,8 +50,12 @@ def probed(fn, calls: int) -> dict:
     stop.set()
     th.join()
     w = np.array(waits)
-    return {"ms_per_call": round(seconds / calls * 1000, 2), "probe_wakeups": len(w),
-            "probe_wait_p50_ms": round(float(np.median(w)) * 1000, 2), "probe_wait_max_ms": round(float(w.max()) * 1000, 2)}  # fmt: skip
+    return {
+        "ms_per_call": round(seconds / calls * 1000, 2),
+        "probe_wakeups": len(w),
+        "probe_wait_p50_ms": round(float(np.median(w)) * 1000, 2),
+        "probe_wait_max_ms": round(float(w.max()) * 1000, 2),
+    }
 
 
 def main() -> None:
@@ -73,8 +77,16 @@ def main() -> None:
     value = codec.allocate(width * tokens)
     ids = np.arange(2 * tokens, dtype=np.int32)
     layout = ShardLayout((2, 16, 29), h)
-    samples = [EncodedSample(f"s{i}", list(range(tokens)), [1] * tokens, codec.encode(planes[: 2 * 3 * h * tokens]),
-                             codec.encode(planes[: 2 * h * tokens])) for i in range(8)]  # fmt: skip
+    samples = [
+        EncodedSample(
+            f"s{i}",
+            list(range(tokens)),
+            [1] * tokens,
+            codec.encode(planes[: 2 * 3 * h * tokens]),
+            codec.encode(planes[: 2 * h * tokens]),
+        )
+        for i in range(8)
+    ]
     rows = [{"sample_id": f"s{i}", "input_ids": list(range(1100)), "loss_mask": [1] * 1100} for i in range(128)]
     batch = pa.Table.from_pylist(rows)
     out_dir = Path(tempfile.mkdtemp(prefix="gil-probe-"))
@@ -88,7 +100,10 @@ def main() -> None:
 
     steps = {
         "idle (sleep 20 ms)": (lambda: time.sleep(0.02), 10),
-        "zstd level 1, one 16 MB high plane": (lambda: pa.Codec("zstd", compression_level=1).compress(high, asbytes=False), 10),
+        "zstd level 1, one 16 MB high plane": (
+            lambda: pa.Codec("zstd", compression_level=1).compress(high, asbytes=False),
+            10,
+        ),
         "Codec.encode, one 32 MB sample": (lambda: codec.encode(planes), 10),
         "numpy copy, 16 MB": (lambda: value.__setitem__(slice(0, width * tokens), planes[: width * tokens]), 20),
         "sha256 of 8 KB ids, x1000": (lambda: [hashlib.sha256(ids.tobytes()).hexdigest() for _ in range(1000)], 10),
@@ -109,7 +124,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, r in results.items():
-        print(f"{name:58s} {r['ms_per_call']:8.1f} ms/call  probe wait p50 {r['probe_wait_p50_ms']:.2f} ms, max {r['probe_wait_max_ms']:.1f} ms")
+        print(
+            f"{name:58s} {r['ms_per_call']:8.1f} ms/call  probe wait p50 {r['probe_wait_p50_ms']:.2f} ms, max {r['probe_wait_max_ms']:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 1. A random-init model of the requested shape (8b: Llama-3-8B, H=4096, 32 layers, GQA 32/8, MLP 14336) with
    the default model's tokenizer, saved as a normal HF model directory (bf16 safetensors).
 2. N pre-tokenized prompts, lengths uniform in [min-len, max-len] (fixed seed), written as `{"id", "input_ids"}`.
-3. bare: actors/hf_engine.HFEngine(capture=False) on the same prompts, every prompt submitted at once (so
+3. bare: bench/bare_hf.BareHFEngine (the hf engine, nothing kept) on the same prompts, every prompt submitted at once (so
    its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens; the baseline
    is the best.
 4. job: `python -m pipeline.cli run` with engine.name=hf, the best max_batch_tokens, num_actors = each of
@@ -43,8 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2),
+    "8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
+    ),
+    "tiny": dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 
 
@@ -60,8 +64,15 @@ def make_model(work: Path, shape: str, tokenizer: Path, device: str) -> Path:
     if (out / "config.json").is_file():
         return out
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPES[shape])  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **SHAPES[shape],
+    )
     t0 = time.monotonic()
     torch.manual_seed(0)
     with torch.device(device):
@@ -69,7 +80,9 @@ def make_model(work: Path, shape: str, tokenizer: Path, device: str) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     del model
-    log(f"model {shape}: {sum(f.stat().st_size for f in out.glob('*.safetensors')) / 1e9:.1f} GB in {time.monotonic() - t0:.0f}s")
+    log(
+        f"model {shape}: {sum(f.stat().st_size for f in out.glob('*.safetensors')) / 1e9:.1f} GB in {time.monotonic() - t0:.0f}s"
+    )
     return out
 
 
@@ -86,12 +99,12 @@ def make_prompts(work: Path, n: int, lo: int, hi: int, vocab: int) -> tuple[Path
 
 
 def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: str) -> dict:
-    from actors.hf.engine import HFEngine
+    from bench.bare_hf import BareHFEngine
     from pipeline.driver.plan import default_aux_layers
     from pipeline.intake.model import num_hidden_layers
 
     aux = default_aux_layers(num_hidden_layers(model_dir))
-    eng = HFEngine(str(model_dir), aux, device=device, capture=False, max_batch_tokens=max(sweep)).start()
+    eng = BareHFEngine(str(model_dir), aux, device=device, max_batch_tokens=max(sweep)).start()
     tokens = sum(len(p) for p in prompts)
     rates, stats = {}, {}
     try:
@@ -107,12 +120,20 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
             if errors:
                 raise RuntimeError(f"bare run failed: {errors[:3]}")
             rates[b] = tokens / dt
-            log(f"bare max_batch_tokens={b}: {rates[b]:,.0f} tok/s ({dt:.1f}s, padding {eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f})")
+            log(
+                f"bare max_batch_tokens={b}: {rates[b]:,.0f} tok/s ({dt:.1f}s, padding {eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f})"
+            )
     finally:
         eng.close()
     best = max(rates, key=rates.get)
-    return {"tok_s_by_max_batch_tokens": {str(k): round(v, 1) for k, v in rates.items()}, "best_max_batch_tokens": best,
-            "tok_s": round(rates[best], 1), "tokens": tokens, "aux_layers": list(aux), "engine": stats[best]}  # fmt: skip
+    return {
+        "tok_s_by_max_batch_tokens": {str(k): round(v, 1) for k, v in rates.items()},
+        "best_max_batch_tokens": best,
+        "tok_s": round(rates[best], 1),
+        "tokens": tokens,
+        "aux_layers": list(aux),
+        "engine": stats[best],
+    }
 
 
 def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, device: str, aux: list[int]) -> dict:
@@ -125,7 +146,10 @@ def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, de
     tokens = sum(len(p) for p in prompts)
     out = {}
     codec = Codec()
-    with HFEngine(str(model_dir), tuple(aux), device=device, max_batch_tokens=batch_tokens) as eng, ThreadPoolExecutor(16) as pool:
+    with (
+        HFEngine(str(model_dir), tuple(aux), device=device, max_batch_tokens=batch_tokens) as eng,
+        ThreadPoolExecutor(16) as pool,
+    ):
         for r in as_completed([eng.submit(f"w{i}", p) for i, p in enumerate(prompts[:64])]):
             r.result().capture.release()
         for mode in ("capture", "capture+encode"):
@@ -172,18 +196,41 @@ def disk_rate(root: Path, gb: float, writers: int = 4) -> dict:
     return {"bytes": total, "seconds": round(dt, 2), "gb_per_s": round(total / dt / 1e9, 3), "writers": writers}
 
 
-def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: int | None, device: str,
-        batch_size: int | None, batches_per_actor: int | None, extra_sets: tuple[str, ...] = ()) -> dict:  # fmt: skip
+def job(
+    work: Path,
+    model_dir: Path,
+    prompts: Path,
+    actors: int,
+    batch_tokens: int | None,
+    device: str,
+    batch_size: int | None,
+    batches_per_actor: int | None,
+    extra_sets: tuple[str, ...] = (),
+) -> dict:
     """One `harvest run`; a setting passed as None is left to the engine's own default for the device."""
     out = work / f"out-{actors}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
-    chosen = {"engine.num_actors": actors if actors != 1 else None, "engine.max_batch_tokens": batch_tokens,
-              "engine.batches_per_actor": batches_per_actor, "extract.batch_size": batch_size}  # fmt: skip
-    sets = [f"input.path={prompts}", f"model.path={model_dir}", f"output.path={out}", "engine.name=hf", f"engine.device={device}",
-            *(f"{k}={v}" for k, v in chosen.items() if v is not None), "extract.max_tokens=4096", "progress.interval_s=5",
-            *extra_sets]  # fmt: skip
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [a for s in sets for a in ("--set", s)]
+    chosen = {
+        "engine.num_actors": actors if actors != 1 else None,
+        "engine.max_batch_tokens": batch_tokens,
+        "engine.batches_per_actor": batches_per_actor,
+        "extract.batch_size": batch_size,
+    }
+    sets = [
+        f"input.path={prompts}",
+        f"model.path={model_dir}",
+        f"output.path={out}",
+        "engine.name=hf",
+        f"engine.device={device}",
+        *(f"{k}={v}" for k, v in chosen.items() if v is not None),
+        "extract.max_tokens=4096",
+        "progress.interval_s=5",
+        *extra_sets,
+    ]
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [
+        a for s in sets for a in ("--set", s)
+    ]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
@@ -194,7 +241,9 @@ def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: i
     manifest = json.loads((out / "manifest.json").read_text())
     lr, totals = manifest["last_run"], manifest["totals"]
     t1 = time.monotonic()
-    ver = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify", str(out)], cwd=ROOT, capture_output=True, text=True)
+    ver = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "verify", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
     verify_s = time.monotonic() - t1
     result = {
         "actors": actors,
@@ -219,8 +268,10 @@ def job(work: Path, model_dir: Path, prompts: Path, actors: int, batch_tokens: i
         "verify_seconds": round(verify_s, 1),
         "verify_tail": ver.stdout[-600:],
     }
-    log(f"job actors={actors} under {work}: {result['tok_s']:,.0f} tok/s after engine start, end to end {result['tok_s_end_to_end']:,.0f}; "
-        f"{totals['samples_ok']} ok {totals['errors']} errors; verify {'passed' if result['verify_passed'] else 'FAILED'}")  # fmt: skip
+    log(
+        f"job actors={actors} under {work}: {result['tok_s']:,.0f} tok/s after engine start, end to end {result['tok_s_end_to_end']:,.0f}; "
+        f"{totals['samples_ok']} ok {totals['errors']} errors; verify {'passed' if result['verify_passed'] else 'FAILED'}"
+    )
     shutil.rmtree(out, ignore_errors=True)
     return result
 
@@ -237,9 +288,14 @@ def window(last_run: dict) -> dict:
         first, last = e.get("first_forward_unix"), e.get("last_done_unix")
         if None in (ready, end, first, last):
             continue
-        out[actor] = {"before_first_forward_s": round(first - ready, 3), "device_span_s": round(last - first, 3),
-                      "idle_in_span_s": e.get("idle_s"), "after_last_results_s": round(end - last, 3),
-                      "padding": round(e["padded_tokens"] / max(e["real_tokens"], 1) - 1, 4), "forwards": e.get("forwards")}  # fmt: skip
+        out[actor] = {
+            "before_first_forward_s": round(first - ready, 3),
+            "device_span_s": round(last - first, 3),
+            "idle_in_span_s": e.get("idle_s"),
+            "after_last_results_s": round(end - last, 3),
+            "padding": round(e["padded_tokens"] / max(e["real_tokens"], 1) - 1, 4),
+            "forwards": e.get("forwards"),
+        }
     return out
 
 
@@ -256,13 +312,21 @@ def main() -> None:
     # of 128, whose pool it fills each forward from).
     ap.add_argument("--batch-size", type=int, help="samples per job batch (one shard); default: the engine's")
     ap.add_argument("--batches-per-actor", type=int, help="default: the engine's")
-    ap.add_argument("--engine-defaults", action="store_true",
-                    help="the job runs with the engine's default max_batch_tokens instead of the bare engine's best")
+    ap.add_argument(
+        "--engine-defaults",
+        action="store_true",
+        help="the job runs with the engine's default max_batch_tokens instead of the bare engine's best",
+    )
     ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
     ap.add_argument("--actors", default="1", help="runs: N or N@DIR (that run's output under DIR), comma separated")
     ap.add_argument("--disk-test-gb", type=float, default=0.0, help="first measure each output directory's write rate")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VAL[,KEY=VAL]",
-                    help="one more one-actor run under the first run's directory with these config overrides")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VAL[,KEY=VAL]",
+        help="one more one-actor run under the first run's directory with these config overrides",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "job_gpu.json")
     args = ap.parse_args()
@@ -285,7 +349,12 @@ def main() -> None:
         "command": shlex.join(["python", "bench/bench_job_gpu.py"] + sys.argv[1:]),
         "shape": args.shape,
         "model": json.loads((model_dir / "config.json").read_text()) | {"weights": "random init"},
-        "prompts": {"count": args.prompts, "min_len": args.min_len, "max_len": args.max_len, "tokens": sum(map(len, prompts))},
+        "prompts": {
+            "count": args.prompts,
+            "min_len": args.min_len,
+            "max_len": args.max_len,
+            "tokens": sum(map(len, prompts)),
+        },
         "job": [],
     }
 
@@ -293,7 +362,9 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    runs = [(int(a.split("@")[0]), Path(a.split("@")[1]) if "@" in a else args.work, "", ()) for a in args.actors.split(",")]
+    runs = [
+        (int(a.split("@")[0]), Path(a.split("@")[1]) if "@" in a else args.work, "", ()) for a in args.actors.split(",")
+    ]
     for v in args.variant:
         name, _, sets = v.partition(":")
         runs.append((1, runs[0][1], name, tuple(sets.split(","))))
@@ -303,24 +374,62 @@ def main() -> None:
     result["bare"] = base = bare(model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device)
     save()
     if args.engine_only:
-        result["engine_only"] = engine_only(model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"])
+        result["engine_only"] = engine_only(
+            model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"]
+        )
         save()
     for actors, root, variant, extra in runs:
         batch_tokens = None if args.engine_defaults else base["best_max_batch_tokens"]
-        r = job(root, model_dir, prompts_path, actors, batch_tokens, args.device, args.batch_size, args.batches_per_actor, extra)
+        r = job(
+            root,
+            model_dir,
+            prompts_path,
+            actors,
+            batch_tokens,
+            args.device,
+            args.batch_size,
+            args.batches_per_actor,
+            extra,
+        )
         if variant:
             r["variant"] = variant
         if not r.get("failed"):
             r["ratio_vs_bare"] = round(r["tok_s"] / base["tok_s"], 3)
             r["ratio_vs_bare_end_to_end"] = round(r["tok_s_end_to_end"] / base["tok_s"], 3)
-            same_root = [x for x in result["job"] + [r] if x.get("output_root") == str(root) and not x.get("failed") and not x.get("variant")]
+            same_root = [
+                x
+                for x in result["job"] + [r]
+                if x.get("output_root") == str(root) and not x.get("failed") and not x.get("variant")
+            ]
             one = next((x for x in same_root if x["actors"] == 1), None)
             if one and not variant:
                 r["scaling"] = round(r["tok_s"] / one["tok_s"], 3)
         result["job"].append(r)
         save()
     log(f"wrote {args.out}")
-    print(json.dumps({"bare_tok_s": base["tok_s"], "job": [{k: r.get(k) for k in ("actors", "variant", "output_root", "tok_s", "ratio_vs_bare", "scaling", "verify_passed", "exactly_once")} for r in result["job"]]}))
+    print(
+        json.dumps(
+            {
+                "bare_tok_s": base["tok_s"],
+                "job": [
+                    {
+                        k: r.get(k)
+                        for k in (
+                            "actors",
+                            "variant",
+                            "output_root",
+                            "tok_s",
+                            "ratio_vs_bare",
+                            "scaling",
+                            "verify_passed",
+                            "exactly_once",
+                        )
+                    }
+                    for r in result["job"]
+                ],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

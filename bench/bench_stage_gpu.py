@@ -39,7 +39,9 @@ def per_token_split(layers, lengths, offsets, staging, bad) -> None:
         o = int(offsets[row])
         cols = torch.cat([a[row, :n] for a in aux], dim=-1)
         for part, width in ((cols, w), (last[row, :n], h)):
-            staging[o : o + 2 * n * width].view(2, width, n).copy_(part.contiguous().view(torch.uint8).view(n, width, 2).permute(2, 1, 0))
+            staging[o : o + 2 * n * width].view(2, width, n).copy_(
+                part.contiguous().view(torch.uint8).view(n, width, 2).permute(2, 1, 0)
+            )
             o += 2 * n * width
 
 
@@ -100,15 +102,18 @@ def main() -> None:
             staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=args.device)
             bad = torch.zeros((b, t), dtype=torch.int32, device=args.device)
 
-            def run(fill=fill, staging=staging, bad=bad):
+            def run(fill=fill, staging=staging, bad=bad, layers=layers, lengths=lengths, offsets=offsets):
                 bad.zero_()
                 fill(layers, lengths, offsets, staging, bad)
 
             device_ms, host_ms = timed(run, cuda)
             got = (staging.cpu(), bad.cpu())
             want = want or got
-            row[name] = {"device_ms": device_ms, "host_ms": host_ms,
-                         "same_bytes": bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))}  # fmt: skip
+            row[name] = {
+                "device_ms": device_ms,
+                "host_ms": host_ms,
+                "same_bytes": bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])),
+            }
             del staging, bad
         shapes[f"T{t}xB{b}"] = row
         print(f"T{t}xB{b}", row, flush=True)

@@ -29,16 +29,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.format.codec import Codec, to_planes  # noqa: E402
 from pipeline.format.manifest import read_manifest  # noqa: E402
-from pipeline.format.shards import ShardLayout, build_table, decode_row, encode_bits, list_shards, read_layout, write_shard  # noqa: E402
+from pipeline.format.shards import (  # noqa: E402
+    ShardLayout,
+    decode_row,
+    encode_bits,
+    list_shards,
+    read_layout,
+    write_shard,
+)
 from pipeline.format.storage import Store  # noqa: E402
 
 
 def _format1_bytes(samples: list[dict]) -> int:
     """The format-1 shard: hidden states as list<uint16>, BYTE_STREAM_SPLIT + zstd-1."""
-    cols = {k: pa.array([s[k].reshape(-1) for s in samples], pa.list_(pa.uint16())) for k in ("aux_hidden_states", "last_hidden_state")}
+    cols = {
+        k: pa.array([s[k].reshape(-1) for s in samples], pa.list_(pa.uint16()))
+        for k in ("aux_hidden_states", "last_hidden_state")
+    }
     buf = io.BytesIO()
-    pq.write_table(pa.table(cols), buf, compression="zstd", compression_level=1, use_dictionary=False,
-                   use_byte_stream_split=[f"{c}.list.element" for c in cols])  # fmt: skip
+    pq.write_table(
+        pa.table(cols),
+        buf,
+        compression="zstd",
+        compression_level=1,
+        use_dictionary=False,
+        use_byte_stream_split=[f"{c}.list.element" for c in cols],
+    )
     return buf.tell()
 
 
@@ -79,32 +95,57 @@ def main() -> None:
         masked += sum(int(s["loss_mask"].sum()) for s in samples)
         for name, layout in layouts.items():
             t0 = time.perf_counter()
-            enc = [encode_bits(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist(), s["aux_hidden_states"],
-                               s["last_hidden_state"], layout) for s in samples]  # fmt: skip
+            enc = [
+                encode_bits(
+                    s["sample_id"],
+                    s["input_ids"].tolist(),
+                    s["loss_mask"].tolist(),
+                    s["aux_hidden_states"],
+                    s["last_hidden_state"],
+                    layout,
+                )
+                for s in samples
+            ]
             shard, size = write_shard(scratch, enc, layout)
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
             sizes[name] = sizes.get(name, 0) + size
             scratch.fs.rm(scratch.path(shard))
-        for name, fn in (("format 1: list<uint16> BSS + zstd-1", _format1_bytes), ("planes_zstd, row-major", _row_major_bytes)):
+        for name, fn in (
+            ("format 1: list<uint16> BSS + zstd-1", _format1_bytes),
+            ("planes_zstd, row-major", _row_major_bytes),
+        ):
             t0 = time.perf_counter()
             sizes[name] = sizes.get(name, 0) + fn(samples)
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
     raw = tokens * (k + 1) * h * 2
     committed = manifest["totals"]["bytes"]
-    print(f"{args.output}: {tokens:,} tokens ({masked:,} masked), raw bf16 {raw:,} bytes ({(k + 1) * h * 2} bytes/token)")
-    print(f"committed by the run (manifest totals.bytes, {manifest['data_settings']['encoding']}): {committed:,} bytes = {committed / raw:.4f} of raw")
+    print(
+        f"{args.output}: {tokens:,} tokens ({masked:,} masked), raw bf16 {raw:,} bytes ({(k + 1) * h * 2} bytes/token)"
+    )
+    print(
+        f"committed by the run (manifest totals.bytes, {manifest['data_settings']['encoding']}): {committed:,} bytes = {committed / raw:.4f} of raw"
+    )
     print(f"{'option':38s} {'bytes':>14s} {'bytes/token':>12s} {'vs raw':>8s} {'MB/s (raw), 1 thread':>21s}")
     result = {
         "command": "python bench/bench_storage.py " + " ".join(sys.argv[1:]),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, no GPU",
         "date": datetime.date.today().isoformat(),
-        "tokens": tokens, "masked_tokens": masked, "raw_bytes": raw, "committed_bytes": committed,
-        "committed_ratio_vs_raw": committed / raw, "options": {},
-    }  # fmt: skip
+        "tokens": tokens,
+        "masked_tokens": masked,
+        "raw_bytes": raw,
+        "committed_bytes": committed,
+        "committed_ratio_vs_raw": committed / raw,
+        "options": {},
+    }
     for name, size in sizes.items():
         rate = raw / seconds[name] / 1e6
         print(f"{name:38s} {size:14,d} {size / tokens:12.1f} {size / raw:8.4f} {rate:21.1f}")
-        result["options"][name] = {"bytes": size, "bytes_per_token": size / tokens, "ratio_vs_raw": size / raw, "raw_MB_per_s": rate}
+        result["options"][name] = {
+            "bytes": size,
+            "bytes_per_token": size / tokens,
+            "ratio_vs_raw": size / raw,
+            "raw_MB_per_s": rate,
+        }
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -41,7 +41,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from actors.sglang.server import SGLangServer, ServerSpec  # noqa: E402
+from actors.sglang.server import ServerSpec, SGLangServer  # noqa: E402
 from conf import load_config  # noqa: E402
 from pipeline.driver.plan import default_aux_layers  # noqa: E402
 from pipeline.intake.model import num_hidden_layers, resolve_model  # noqa: E402
@@ -57,7 +57,11 @@ async def _send_all(url: str, samples: list[list[int]], window: int) -> float:
 
     async def one(session, i, ids):
         async with sem:
-            payload = {"input_ids": ids, "rid": f"bench-{i}", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+            payload = {
+                "input_ids": ids,
+                "rid": f"bench-{i}",
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            }
             async with session.post(f"{url}/generate", json=payload) as r:
                 await r.read()
                 assert r.status == 200, r.status
@@ -100,12 +104,18 @@ def run_job(config: str, input_path: str, job_set: list[str], label: str) -> dic
         last = json.loads(manifest.read_text())["last_run"]
     steady = last["steady_tokens_per_second"] or None  # 0.0: fewer than two results, no steady state
     run = {
-        "job_tokens": last["tokens"], "job_extract_s": last["extract_seconds"], "job_wall_s": round(wall, 1),
+        "job_tokens": last["tokens"],
+        "job_extract_s": last["extract_seconds"],
+        "job_wall_s": round(wall, 1),
         "job_first_result_s": last["first_result_seconds"],
-        "job_tok_s": round(last["tokens"] / last["extract_seconds"], 1), "job_steady_tok_s": steady,
-    }  # fmt: skip
-    print(f"  job run {label}: {fmt(run['job_tok_s'])} tok/s end to end, steady {fmt(steady)} tok/s, "
-          f"first result after {run['job_first_result_s']} s", flush=True)  # fmt: skip
+        "job_tok_s": round(last["tokens"] / last["extract_seconds"], 1),
+        "job_steady_tok_s": steady,
+    }
+    print(
+        f"  job run {label}: {fmt(run['job_tok_s'])} tok/s end to end, steady {fmt(steady)} tok/s, "
+        f"first result after {run['job_first_result_s']} s",
+        flush=True,
+    )
     return run
 
 
@@ -151,13 +161,17 @@ def summarize(samples: list[list[int]], sweeps: list[dict[int, float]], jobs: li
     if job_tokens and job_tokens != {tokens}:
         print(f"  WARNING: the job committed {sorted(job_tokens)} tokens, the bare server got {tokens}", flush=True)
     return {
-        "samples": len(samples), "tokens": tokens, "bare": bare,
-        "bare_best_window": best_w, "bare_best_tok_s": bare[best_w],
-        "job_tok_s": job, "job_steady_tok_s": steady,
+        "samples": len(samples),
+        "tokens": tokens,
+        "bare": bare,
+        "bare_best_window": best_w,
+        "bare_best_tok_s": bare[best_w],
+        "job_tok_s": job,
+        "job_steady_tok_s": steady,
         "ratio_vs_bare": round(steady / bare[best_w], 3) if steady else None,
         "ratio_vs_bare_end_to_end": round(job / bare[best_w], 3) if job else None,
         "runs": [{"bare": s, **j} for s, j in zip(sweeps, jobs)],
-    }  # fmt: skip
+    }
 
 
 def machine() -> str:
@@ -208,8 +222,14 @@ def main() -> None:
 
     cfg = load_config(config, args.job_set)
     model_dir = resolve_model(cfg.model.path)
-    tok = Tokenize(str(model_dir), cfg.extract.max_tokens, cfg.extract.overlength, cfg.input.id_field,
-                   cfg.extract.turns, dict(cfg.extract.template_kwargs))
+    tok = Tokenize(
+        str(model_dir),
+        cfg.extract.max_tokens,
+        cfg.extract.overlength,
+        cfg.input.id_field,
+        cfg.extract.turns,
+        dict(cfg.extract.template_kwargs),
+    )
     lines = Path(cfg.input.path).read_text().splitlines()
     aux = cfg.extract.aux_layers or default_aux_layers(num_hidden_layers(model_dir))
     threads = cfg.engine.cpu_threads or os.cpu_count()

@@ -73,7 +73,10 @@ def main() -> None:
     args = ap.parse_args()
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    draws = {s: [int(x) for x in np.random.default_rng(s).integers(args.min_len, args.max_len + 1, args.prompts)] for s in seeds}
+    draws = {
+        s: [int(x) for x in np.random.default_rng(s).integers(args.min_len, args.max_len + 1, args.prompts)]
+        for s in seeds
+    }
     runs = []
     for max_padding in (0.03, 0.02, 0.015):
         for min_fill in (0.25, 0.125, 0.0625):
@@ -86,7 +89,9 @@ def main() -> None:
         "benchmark": "take_batch simulated on the job's request pattern (no model, no device)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "command": shlex.join(["python", "bench/sim_take.py"] + sys.argv[1:]),
-        "pattern": {k: getattr(args, k) for k in ("prompts", "min_len", "max_len", "batch_size", "calls", "max_batch_tokens")},
+        "pattern": {
+            k: getattr(args, k) for k in ("prompts", "min_len", "max_len", "batch_size", "calls", "max_batch_tokens")
+        },
         "seeds": seeds,
         "job_pattern": runs,
         "bare_pattern_max_padding_0.03_min_fill_0.125": bare,

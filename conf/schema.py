@@ -6,7 +6,7 @@ Each component receives only its own section. GPU counts are derived here, in on
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -101,12 +101,14 @@ class HFEngineConfig(_EngineBase):
     @classmethod
     def _one_device(cls, v):
         if v != 1:
-            raise ValueError("the hf engine runs on one device; tp_size must be 1 (use engine.name=sglang for tensor parallelism)")
+            raise ValueError(
+                "the hf engine runs on one device; tp_size must be 1 (use engine.name=sglang for tensor parallelism)"
+            )
         return v
 
 
 ENGINE_CONFIGS = {c.model_fields["name"].annotation.__args__[0]: c for c in (SGLangEngineConfig, HFEngineConfig)}
-EngineConfig = Annotated[Union[SGLangEngineConfig, HFEngineConfig], Field(discriminator="name")]
+EngineConfig = Annotated[SGLangEngineConfig | HFEngineConfig, Field(discriminator="name")]
 
 
 class ExtractConfig(_Strict):
@@ -132,10 +134,24 @@ class ExtractConfig(_Strict):
     @classmethod
     def _template_kwargs(cls, v):
         # These are the job's to set per render; as template variables they would clash or change the samples.
-        taken = sorted(set(v) & {"messages", "conversation", "tools", "documents", "add_generation_prompt",
-                                 "continue_final_message", "tokenize", "return_dict", "chat_template"})  # fmt: skip
+        taken = sorted(
+            set(v)
+            & {
+                "messages",
+                "conversation",
+                "tools",
+                "documents",
+                "add_generation_prompt",
+                "continue_final_message",
+                "tokenize",
+                "return_dict",
+                "chat_template",
+            }
+        )
         if taken:
-            raise ValueError(f"template_kwargs may not set {taken}: the job passes those itself (tools come from each row)")
+            raise ValueError(
+                f"template_kwargs may not set {taken}: the job passes those itself (tools come from each row)"
+            )
         return v
 
     @field_validator("aux_layers")

@@ -8,11 +8,26 @@ import logging
 import os
 import sys
 
+from conf import ConfigError, load_config
+from pipeline.driver.budget import InsufficientSpace
+from pipeline.driver.failures import failure_message
+from pipeline.driver.job import run
+from pipeline.driver.preflight import PreflightError
+from pipeline.format.lock import OutputLocked
+from pipeline.format.manifest import SettingsMismatch
+from pipeline.format.storage import human_bytes, redact
+from pipeline.tools.audit import AuditError, audit
+from pipeline.tools.fidelity import SAMPLE_FACTOR, TOKEN_FACTOR, NoiseRule
+from pipeline.tools.inspect import summarize
+from pipeline.tools.verify import verify
+
 logger = logging.getLogger("harvest")
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 def _init_ray(cfg) -> None:
@@ -37,9 +52,6 @@ def _init_ray(cfg) -> None:
 
 
 def cmd_run(args) -> int:
-    from conf import load_config
-    from pipeline.driver.job import run
-    from pipeline.format.storage import human_bytes
 
     cfg = load_config(args.config, args.set or [])
     _init_ray(cfg)
@@ -48,7 +60,11 @@ def cmd_run(args) -> int:
     p = summary["this_run"]
     samples = t.get("samples", t["input_rows"])
     # One sample per input row unless extract.turns splits conversations into one sample per assistant turn.
-    whole = f"{t['input_rows']:,} input rows" if samples == t["input_rows"] else f"{samples:,} samples from {t['input_rows']:,} input rows"
+    whole = (
+        f"{t['input_rows']:,} input rows"
+        if samples == t["input_rows"]
+        else f"{samples:,} samples from {t['input_rows']:,} input rows"
+    )
     lines = [
         f"output: {summary['output']}",
         f"this run: {p.ok:,} ok, {p.errors:,} errors, {p.filtered:,} filtered, {p.tokens:,} tokens, "
@@ -64,14 +80,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from pipeline.tools.inspect import summarize
 
     print(summarize(args.output))
     return 0
 
 
 def cmd_verify(args) -> int:
-    from pipeline.tools.verify import verify
 
     report = verify(args.output)
     print(report.text(args.output))
@@ -79,11 +93,16 @@ def cmd_verify(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from pipeline.tools.audit import Thresholds, audit
 
     samples = None if args.samples == "all" else int(args.samples)
-    report = audit(args.output, samples=samples, device=args.device, seed=args.seed, model=args.model,
-                   thresholds=Thresholds(args.min_mean_cosine, args.min_cosine, args.max_norm_error))  # fmt: skip
+    report = audit(
+        args.output,
+        samples=samples,
+        device=args.device,
+        seed=args.seed,
+        model=args.model,
+        rule=NoiseRule(args.sample_factor, args.token_factor),
+    )
     print(report.text())
     print(f"report: {report.output.rstrip('/')}/audit.json")
     return 0 if report.ok else 1
@@ -101,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run the job")
     p.add_argument("config", help="a YAML file in conf/")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
-    p.add_argument("--retry-errors", action="store_true",
-                   help="run again the samples whose error was transient (engine/extract stage); parse and tokenize errors stay")  # fmt: skip
+    p.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="run again the samples whose error was transient (engine/extract stage); parse and tokenize errors stay",
+    )
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("inspect", help="summarize an output (local dir or s3://)")
     p.add_argument("output")
@@ -110,31 +132,41 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="integrity scan of an output; exit code 0 only when every check holds")
     p.add_argument("output")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("audit", help="recompute random committed samples in float32 with transformers and compare")
+    p = sub.add_parser(
+        "audit", help="recompute random committed samples with transformers and judge them by bf16 noise"
+    )
     p.add_argument("output")
     p.add_argument("--samples", type=_samples, default="16", help="how many random samples, or `all` (default 16)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
     p.add_argument("--model", help="the model directory, when it is not where the manifest says")
-    p.add_argument("--min-mean-cosine", type=float, default=0.9995, help="per sample and layer (default 0.9995)")
-    p.add_argument("--min-cosine", type=float, default=0.99, help="per token, per sample and layer (default 0.99)")
-    p.add_argument("--max-norm-error", type=float, default=0.02,
-                   help="per sample and layer, mean of | |stored|/|reference| - 1 | over tokens (default 0.02)")
+    p.add_argument(
+        "--sample-factor",
+        type=float,
+        default=SAMPLE_FACTOR,
+        help="a sample's mean distance to float32 may be this many times a bf16 forward's (default %(default)s)",
+    )
+    p.add_argument(
+        "--token-factor",
+        type=float,
+        default=TOKEN_FACTOR,
+        help="a token's distance may be this many times the bf16 forward's there (default %(default)s)",
+    )
     p.set_defaults(fn=cmd_audit)
     args = parser.parse_args(argv)
     _setup_logging()
-    from conf import ConfigError
-    from pipeline.tools.audit import AuditError
-    from pipeline.driver.budget import InsufficientSpace
-    from pipeline.driver.failures import failure_message
-    from pipeline.format.lock import OutputLocked
-    from pipeline.format.manifest import SettingsMismatch
-    from pipeline.driver.preflight import PreflightError
-    from pipeline.format.storage import redact
 
     try:
         return args.fn(args)
-    except (ConfigError, InsufficientSpace, SettingsMismatch, AuditError, FileNotFoundError, PreflightError, OutputLocked) as e:
+    except (
+        ConfigError,
+        InsufficientSpace,
+        SettingsMismatch,
+        AuditError,
+        FileNotFoundError,
+        PreflightError,
+        OutputLocked,
+    ) as e:
         # Refusals with an actionable message: no traceback.
         print(f"harvest: {redact(str(e))}", file=sys.stderr)
         return 2

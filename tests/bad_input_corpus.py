@@ -24,7 +24,11 @@ class Expect:
     phrase: str  # lower-case, contained in the reason
 
     def matches(self, row: dict) -> bool:
-        return row["status"] == self.status and row["stage"] in self.stage.split("|") and self.phrase in row["reason"].lower()
+        return (
+            row["status"] == self.status
+            and row["stage"] in self.stage.split("|")
+            and self.phrase in row["reason"].lower()
+        )
 
 
 def chat(sid, question: str, answer: str, **extra) -> dict:
@@ -52,27 +56,50 @@ BAD: list[tuple[bytes, Expect]] = [
     (b"not json at all", Expect("error", "parse", "json")),
     (b'["a", "list", "not", "an", "object"]', Expect("error", "parse", "object")),
     (b'{"id": "bad-types-messages", "messages": "hello"}', Expect("error", "parse", "messages")),
-    (b'{"id": "bad-types-content", "messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}',
-     Expect("error", "parse", "content")),
+    (
+        b'{"id": "bad-types-content", "messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}',
+        Expect("error", "parse", "content"),
+    ),
     (b'{"id": ["bad", "id", "type"], "text": "x"}', Expect("error", "parse", "id")),
     (b'{"id": "bad-types-ids", "input_ids": [1, "2", 3]}', Expect("error", "parse", "input_ids")),
     (b'{"id": "bad-missing-fields", "prompt": "q", "answer": "a"}', Expect("error", "parse", "messages")),
     (b'{"id": "bad-empty-messages", "messages": []}', Expect("error", "parse", "messages")),
     (b'{"id": "bad-empty-text", "text": ""}', Expect("error", "parse", "text")),
-    (json.dumps({"id": "bad-no-assistant", "messages": [{"role": "user", "content": "q"}]}).encode(),
-     Expect("error", "parse", "assistant")),
-    (json.dumps(chat("bad-unknown-role", "q", "a") | {"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}).encode(),
-     Expect("error", "parse", "wizard")),
-    (json.dumps({"id": "bad-token-too-big", "input_ids": [1, 2, VOCAB_SIZE]}).encode(), Expect("error", "tokenize", "vocabulary")),
-    (json.dumps({"id": "bad-token-negative", "input_ids": [1, -2, 3]}).encode(), Expect("error", "tokenize", "vocabulary")),
-    (json.dumps({"id": "bad-overlength", "input_ids": [5] * (MAX_TOKENS + 50)}).encode(), Expect("filtered", "tokenize", "max_tokens")),
-    (json.dumps({"id": "bad-nothing-trained", "input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}).encode(),
-     Expect("filtered", "tokenize", "loss_mask")),
+    (
+        json.dumps({"id": "bad-no-assistant", "messages": [{"role": "user", "content": "q"}]}).encode(),
+        Expect("error", "parse", "assistant"),
+    ),
+    (
+        json.dumps(
+            chat("bad-unknown-role", "q", "a")
+            | {"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}
+        ).encode(),
+        Expect("error", "parse", "wizard"),
+    ),
+    (
+        json.dumps({"id": "bad-token-too-big", "input_ids": [1, 2, VOCAB_SIZE]}).encode(),
+        Expect("error", "tokenize", "vocabulary"),
+    ),
+    (
+        json.dumps({"id": "bad-token-negative", "input_ids": [1, -2, 3]}).encode(),
+        Expect("error", "tokenize", "vocabulary"),
+    ),
+    (
+        json.dumps({"id": "bad-overlength", "input_ids": [5] * (MAX_TOKENS + 50)}).encode(),
+        Expect("filtered", "tokenize", "max_tokens"),
+    ),
+    (
+        json.dumps({"id": "bad-nothing-trained", "input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}).encode(),
+        Expect("filtered", "tokenize", "loss_mask"),
+    ),
     # Inputs Python's JSON parser raises on with something other than a JSON error (a ValueError for an
     # integer over 4,300 digits, a RecursionError): rejected by the parser or, failing that, by the stage.
     (b'{"id": ' + b"9" * 5000 + b', "text": "x"}', Expect("error", "parse|tokenize", "")),
     (b"[" * 100_000 + b"]" * 100_000, Expect("error", "parse|tokenize", "")),
-    (json.dumps(chat("dup-1", "Say hi again.", "Hi again!")).encode(), Expect("filtered", "dedup", "duplicate sample_id")),
+    (
+        json.dumps(chat("dup-1", "Say hi again.", "Hi again!")).encode(),
+        Expect("filtered", "dedup", "duplicate sample_id"),
+    ),
 ]
 
 
@@ -108,7 +135,10 @@ def write_corpus(root: Path) -> Corpus:
             files["b.jsonl"].append((line, exp))
         else:
             files["a.jsonl" if i % 2 == 0 else "b.jsonl"].insert(1 + i % 5, (line, exp))
-    files["c-not-jsonl.jsonl"] = [(b"name,age", Expect("error", "parse", "json")), (b"alice,30", Expect("error", "parse", "json"))]
+    files["c-not-jsonl.jsonl"] = [
+        (b"name,age", Expect("error", "parse", "json")),
+        (b"alice,30", Expect("error", "parse", "json")),
+    ]
     files["d-empty.jsonl"] = []
     expected: dict[str, Expect] = {}
     for name, lines in files.items():

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 import pytest
-from tests_support import free_ports
+
+from tests_support import References, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT / "conf" / "data" / "sample_conversations.jsonl"
@@ -26,7 +27,9 @@ def small_input_lines(n_chat: int = 16) -> list[str]:
     def size(r):
         return len(json.dumps(r))
 
-    chats = [r for r in rows if ("messages" in r or "conversations" in r) and not str(r.get("id", "")).startswith("bad-")]
+    chats = [
+        r for r in rows if ("messages" in r or "conversations" in r) and not str(r.get("id", "")).startswith("bad-")
+    ]
     chats = sorted(chats, key=size)
     picked = chats[:4] + chats[40 : 40 + n_chat - 4]  # a few tiny ones, then a spread of lengths
     picked += [r for r in rows if "conversations" in r][:2]
@@ -45,13 +48,20 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def references(model_dir):
+    """float32 truth and bf16 yardstick of any token sequence, for judging stored states (tests_support.References)."""
+    refs = References(model_dir)
+    yield refs
+    refs.close()
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3 HTTP endpoint (moto's server) on 127.0.0.1, set in the standard AWS environment.
 
     Started before Ray so that Ray's workers inherit the endpoint and the (fake) credentials.
     """
     from moto.server import ThreadedMotoServer
-
     from s3_chaos import ChaosProxy
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
@@ -113,7 +123,12 @@ def e2e_input(tmp_path_factory) -> Path:
 def e2e_config(input_path, output_path, **sets):
     from conf import load_config
 
-    overrides = [f"input.path={input_path}", f"output.path={output_path}", "extract.batch_size=8", "progress.interval_s=2"]
+    overrides = [
+        f"input.path={input_path}",
+        f"output.path={output_path}",
+        "extract.batch_size=8",
+        "progress.interval_s=2",
+    ]
     if sets.get("engine.name", "sglang") == "sglang":  # a knob of the SGLang engine's only (conf/schema.py)
         overrides.append("engine.max_in_flight=4")
     overrides += [f"{k}={v}" for k, v in sets.items()]

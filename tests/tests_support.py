@@ -23,7 +23,76 @@ def free_ports(n: int) -> list[int]:
 def harvest_command(input_path, out, *extra: str) -> list[str]:
     """`harvest run` of the default config as a CLI process of its own (its own local Ray on 2 CPUs), small batches."""
     return [
-        sys.executable, "-m", "pipeline.cli", "run", str(REPO_ROOT / "conf" / "default.yaml"),
-        "--set", f"input.path={input_path}", "--set", f"output.path={out}", "--set", "engine.max_in_flight=4",
-        "--set", "progress.interval_s=2", "--set", "ray.num_cpus=2", "--set", "ray.object_store_memory_mb=300", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        str(REPO_ROOT / "conf" / "default.yaml"),
+        "--set",
+        f"input.path={input_path}",
+        "--set",
+        f"output.path={out}",
+        "--set",
+        "engine.max_in_flight=4",
+        "--set",
+        "progress.interval_s=2",
+        "--set",
+        "ray.num_cpus=2",
+        "--set",
+        "ray.object_store_memory_mb=300",
+        *extra,
+    ]
+
+
+def stored_blocks(aux, last, k: int) -> list:
+    """A sample's stored layers as [T, H] blocks: the K aux layers side by side in `aux`, then the final state."""
+    h = last.shape[-1]
+    return [aux[:, j * h : (j + 1) * h] for j in range(k)] + [last]
+
+
+def assert_within_bf16_noise(what: str, got_blocks, truth_blocks, yard_blocks, names=None):
+    """Each stored layer against the float32 truth, judged by a bf16 forward of the same tokens (the audit's
+    rule, pipeline/tools/fidelity.py); returns the deviations so a test can print them."""
+    from pipeline.tools.fidelity import DEFAULT_RULE
+
+    names = names or [f"block {j}" for j in range(len(got_blocks))]
+    assert len(got_blocks) == len(truth_blocks) == len(yard_blocks) == len(names)
+    out = []
+    for name, got, truth, yard in zip(names, got_blocks, truth_blocks, yard_blocks):
+        d = DEFAULT_RULE.judge(got, truth, yard)
+        assert d.passed, f"{what} {name}: {d.why()}"
+        out.append(d)
+    return out
+
+
+class References:
+    """The audit's float32 truth and bf16 yardstick (pipeline.tools.audit.Reference), one per aux-layer set,
+    started on first use and kept for the session; results cached by token sequence."""
+
+    def __init__(self, model_dir):
+        self.model_dir = model_dir
+        self._refs: dict = {}
+        self._cache: dict = {}
+
+    def layers(self, aux_layers, sequences) -> list:
+        """[(truth blocks, yardstick blocks)] per sequence, each a list of K aux [T, H] blocks then the final."""
+        from pipeline.tools.audit import Reference
+
+        key = tuple(aux_layers)
+        if key not in self._refs:
+            self._refs[key] = Reference(self.model_dir, key).__enter__()
+        todo = [list(s) for s in sequences if (key, tuple(s)) not in self._cache]
+        for s, r in zip(todo, self._refs[key].layers(todo) if todo else []):
+            self._cache[(key, tuple(s))] = r
+        return [self._cache[(key, tuple(s))] for s in sequences]
+
+    def check(self, what: str, aux_layers, ids, aux, last, names=None):
+        """A stored sample (bits or floats) within bf16 noise of float32, every layer; returns the deviations."""
+        ((truth, yard),) = self.layers(aux_layers, [list(ids)])
+        names = names or [f"aux layer {x}" for x in aux_layers] + ["final"]
+        return assert_within_bf16_noise(what, stored_blocks(aux, last, len(aux_layers)), truth, yard, names)
+
+    def close(self) -> None:
+        for r in self._refs.values():
+            r.close()
+        self._refs.clear()

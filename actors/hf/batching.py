@@ -5,8 +5,9 @@ It runs on the engine's forward thread between forwards, and in bench/sim_take.p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, TypeVar
+from typing import Protocol, TypeVar
 
 
 class Waiting(Protocol):

@@ -48,7 +48,9 @@ def _first(output):
 
 
 class Decoder:
-    def __init__(self, model_dir: str, aux_layers: tuple[int, ...], device: str, dtype: str, attn_implementation: str = "sdpa"):
+    def __init__(
+        self, model_dir: str, aux_layers: tuple[int, ...], device: str, dtype: str, attn_implementation: str = "sdpa"
+    ):
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
@@ -72,10 +74,14 @@ class Decoder:
         self.layers = getattr(self.base, "layers", None)
         self.norm = getattr(self.base, "norm", None)
         if self.layers is None or self.norm is None:
-            raise RuntimeError(f"{self.model_dir}: the hf engine needs a decoder with `.layers` and `.norm` (got {type(self.base).__name__})")
+            raise RuntimeError(
+                f"{self.model_dir}: the hf engine needs a decoder with `.layers` and `.norm` (got {type(self.base).__name__})"
+            )
         if self.aux_layers and max(self.aux_layers) >= len(self.layers):
             raise ValueError(f"aux layers {list(self.aux_layers)}: the model has layers 0..{len(self.layers) - 1}")
-        self._hooks = [self.layers[i].register_forward_hook(self._keep(("aux", k))) for k, i in enumerate(self.aux_layers)]
+        self._hooks = [
+            self.layers[i].register_forward_hook(self._keep(("aux", k))) for k, i in enumerate(self.aux_layers)
+        ]
         self._hooks.append(self.norm.register_forward_hook(self._keep(("last", 0))))
         return self
 

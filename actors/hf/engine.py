@@ -48,6 +48,7 @@ from actors.hf.staging import TritonStager, plane_offsets, stage_torch
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Request:
     key: str
@@ -82,28 +83,46 @@ class HFEngine:
     @classmethod
     def kwargs_for(cls, cfg, model_dir: str, aux_layers: tuple[int, ...], cuda: bool, cpu_threads: int) -> dict:
         """Constructor arguments from the engine's config section (conf.schema.HFEngineConfig)."""
-        return {"model_dir": model_dir, "aux_layers": tuple(aux_layers), "device": "cuda" if cuda else "cpu",
-                "max_batch_tokens": cfg.max_batch_tokens, "cpu_threads": cpu_threads}  # fmt: skip
+        return {
+            "model_dir": model_dir,
+            "aux_layers": tuple(aux_layers),
+            "device": "cuda" if cuda else "cpu",
+            "max_batch_tokens": cfg.max_batch_tokens,
+            "cpu_threads": cpu_threads,
+        }
 
     @classmethod
     def provenance(cls, kwargs: dict, cuda: bool) -> dict:
         from importlib.metadata import version
 
-        return {"name": cls.name, "version": f"transformers {version('transformers')}", "device": kwargs["device"],
-                "dtype": "bfloat16", "max_batch_tokens": kwargs["max_batch_tokens"]}  # fmt: skip
+        return {
+            "name": cls.name,
+            "version": f"transformers {version('transformers')}",
+            "device": kwargs["device"],
+            "dtype": "bfloat16",
+            "max_batch_tokens": kwargs["max_batch_tokens"],
+        }
 
     # Captures are stored as bf16, and the model runs in it (a float reference is reference.py's).
     dtype = "bfloat16"
+    _keeps = True  # the hooks keep each forward's outputs for _stage (the benchmark's bare engine keeps none)
 
-    def __init__(self, model_dir: str, aux_layers: tuple[int, ...], device: str = "cpu", max_batch_tokens: int = 8192,
-                 cpu_threads: int | None = None, attn_implementation: str = "sdpa", warmup: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        aux_layers: tuple[int, ...],
+        device: str = "cpu",
+        max_batch_tokens: int = 8192,
+        cpu_threads: int | None = None,
+        attn_implementation: str = "sdpa",
+        warmup: bool | None = None,
+    ):
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
         self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation)
         self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
-        self.policy = BatchPolicy(max_batch_tokens)
         self.cpu_threads = cpu_threads
         self.warmup = warmup  # None: on CUDA only (see _warm_up)
         self._pending: list[_Request] = []
@@ -119,7 +138,15 @@ class HFEngine:
         self.padded_tokens = 0
         self.real_tokens = 0
         # Where the forward thread's time goes (seconds): a device that waits shows up here, not as an error.
-        self.timing = {"idle": 0.0, "forward": 0.0, "stage": 0.0, "pin_alloc": 0.0, "handoff": 0.0, "copy_wait": 0.0, "resolve": 0.0}
+        self.timing = {
+            "idle": 0.0,
+            "forward": 0.0,
+            "stage": 0.0,
+            "pin_alloc": 0.0,
+            "handoff": 0.0,
+            "copy_wait": 0.0,
+            "resolve": 0.0,
+        }
         # On CUDA, the device's own clock (events, read once a batch's copy is done): its forwards (first
         # layer to final norm), the capture's staging after them, and what lies between one batch's staging
         # and the next forward's first layer: the device waiting on the host, or with no work (idle).
@@ -158,8 +185,14 @@ class HFEngine:
             except BaseException:
                 self.close()
                 raise
-        logger.info("hf engine: %s on %s in %s, ready in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0)
+        logger.info(
+            "hf engine: %s on %s in %s, ready in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0
+        )
         return self
+
+    @property
+    def policy(self) -> BatchPolicy:
+        return BatchPolicy(self.max_batch_tokens)
 
     @property
     def base(self):
@@ -180,7 +213,9 @@ class HFEngine:
         length = min(self.max_batch_tokens, 2048)
         n = max(1, self.max_batch_tokens // length)
         with self._cv:  # queued at once, so the worker takes them as one forward
-            futures = [self.submit(f"warm-up-{i}", [i % self.vocab_size] * length, order=float("-inf")) for i in range(n)]
+            futures = [
+                self.submit(f"warm-up-{i}", [i % self.vocab_size] * length, order=float("-inf")) for i in range(n)
+            ]
         for f in futures:
             res = f.result()
             if res.capture is not None:
@@ -204,10 +239,15 @@ class HFEngine:
     def stats(self) -> dict:
         """Counters so far: forwards, tokens (real and padded), the forward/finisher threads' seconds and
         the wall clock of the first forward and of the last results."""
-        return {"forwards": self.batches, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
-                "staging": "triton" if isinstance(self._stager, TritonStager) else "torch",
-                **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
-                "first_forward_unix": self.first_forward_unix, "last_done_unix": self.last_done_unix}  # fmt: skip
+        return {
+            "forwards": self.batches,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "staging": "triton" if isinstance(self._stager, TritonStager) else "torch",
+            **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
+            "first_forward_unix": self.first_forward_unix,
+            "last_done_unix": self.last_done_unix,
+        }
 
     def close(self) -> None:
         if self.batches:
@@ -289,7 +329,7 @@ class HFEngine:
             self.first_forward_unix = time.time()
         # Pinned on CUDA: from pageable memory CUDA would first wait for the device to go idle, and the next
         # forward could only be launched once the GPU had run dry.
-        ids = self.decoder.forward([r.ids for r in batch], keep=True, pin=self.cuda)
+        ids = self.decoder.forward([r.ids for r in batch], keep=self._keeps, pin=self.cuda)
         self.padded_tokens += ids.size
         self.real_tokens += sum(len(r.ids) for r in batch)
         return ids

@@ -22,8 +22,16 @@ class _Sequence:
 
 
 class ReferenceStates:
-    def __init__(self, model_dir, aux_layers: tuple[int, ...], device: str = "cpu", dtype: str = "float32",
-                 max_batch_tokens: int = 2048, cpu_threads: int | None = None, attn_implementation: str = "sdpa"):  # fmt: skip
+    def __init__(
+        self,
+        model_dir,
+        aux_layers: tuple[int, ...],
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_tokens: int = 2048,
+        cpu_threads: int | None = None,
+        attn_implementation: str = "sdpa",
+    ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
         self.decoder = Decoder(str(model_dir), tuple(aux_layers), device, dtype, attn_implementation)

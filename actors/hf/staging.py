@@ -78,8 +78,21 @@ def _build_kernel():
     # Sizes that change from forward to forward are not specialized on (divisibility by 16): each new
     # specialization is a compile, on the forward thread, in the middle of a job.
     @triton.jit(do_not_specialize=["stride_b", "stride_t", "stride_bad", "H", "W", "col0"])
-    def planes_kernel(src, stride_b, stride_t, dst, meta, bad, stride_bad, H, W, col0,
-                      LAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    def planes_kernel(
+        src,
+        stride_b,
+        stride_t,
+        dst,
+        meta,
+        bad,
+        stride_bad,
+        H,
+        W,
+        col0,
+        LAST: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         # One program: row b, tokens t0 .. t0+BLOCK_T, channels c0 .. c0+BLOCK_H of one layer.
         b = tl.program_id(0)
         start = tl.load(meta + 2 * b)  # int64: the request's first byte in dst
@@ -87,7 +100,9 @@ def _build_kernel():
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         c = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
         keep = (t < n)[:, None] & (c < H)[None, :]
-        x = tl.load(src + b.to(tl.int64) * stride_b + t[:, None].to(tl.int64) * stride_t + c[None, :], mask=keep, other=0)
+        x = tl.load(
+            src + b.to(tl.int64) * stride_b + t[:, None].to(tl.int64) * stride_t + c[None, :], mask=keep, other=0
+        )
         # bf16 bits as int16: not finite when the exponent bits (0x7F80) are all set.
         bad_count = tl.sum((((x & 0x7F80) == 0x7F80) & keep).to(tl.int32), axis=1)
         tl.atomic_add(bad + b.to(tl.int64) * stride_bad + t, bad_count, mask=t < n)
@@ -134,8 +149,21 @@ class TritonStager:
                 bits = states.view(torch.int16)
                 if bits.stride(-1) != 1:
                     bits = bits.contiguous()
-                self.kernel[grid](bits, bits.stride(0), bits.stride(1), staging, meta, bad, bad.stride(0), h, w, k * h,
-                                  LAST=k == len(aux), BLOCK_T=self.BLOCK_T, BLOCK_H=self.BLOCK_H)  # fmt: skip
+                self.kernel[grid](
+                    bits,
+                    bits.stride(0),
+                    bits.stride(1),
+                    staging,
+                    meta,
+                    bad,
+                    bad.stride(0),
+                    h,
+                    w,
+                    k * h,
+                    LAST=k == len(aux),
+                    BLOCK_T=self.BLOCK_T,
+                    BLOCK_H=self.BLOCK_H,
+                )
 
     @classmethod
     def checked(cls, device) -> TritonStager | None:
@@ -161,9 +189,14 @@ class TritonStager:
                 out.append((staging.cpu(), [int(bad[r, :n].sum()) for r, n in enumerate(lengths)]))
             (want, want_bad), (got, got_bad) = out
             if not torch.equal(want, got) or want_bad != got_bad:
-                raise AssertionError(f"bytes equal: {torch.equal(want, got)}, non-finite counts {got_bad} (want {want_bad})")
+                raise AssertionError(
+                    f"bytes equal: {torch.equal(want, got)}, non-finite counts {got_bad} (want {want_bad})"
+                )
         except Exception as e:  # noqa: BLE001 - any failure means the torch staging, which is always right
-            logger.warning("staging with torch ops (a few hundred small ops per forward): the Triton kernel is not usable here: %s: %s",
-                           type(e).__name__, e)  # fmt: skip
+            logger.warning(
+                "staging with torch ops (a few hundred small ops per forward): the Triton kernel is not usable here: %s: %s",
+                type(e).__name__,
+                e,
+            )
             return None
         return stager

@@ -19,14 +19,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-from actors.dump import Capture, DumpError, dump_path, read_dump
+from actors.dump import DumpError, dump_path, read_dump
 from actors.engine import EngineDied, RequestResult
-from actors.sglang.server import RID_PREFIX, SGLangServer, ServerSpec, build_command
+from actors.sglang.server import RID_PREFIX, ServerSpec, SGLangServer, build_command
 from pipeline.format.lock import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -75,14 +74,19 @@ class SGLangEngine:
         """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig)."""
         return {
             "spec_without_dump": {
-                "model_dir": model_dir, "aux_layers": tuple(aux_layers), "tp_size": cfg.tp_size,
-                "chunked_prefill_size": cfg.chunked_prefill_size, "cpu": not cuda, "cpu_threads": cpu_threads,
-                "extra_flags": tuple(cfg.server_flags), "startup_timeout_s": cfg.startup_timeout_s,
+                "model_dir": model_dir,
+                "aux_layers": tuple(aux_layers),
+                "tp_size": cfg.tp_size,
+                "chunked_prefill_size": cfg.chunked_prefill_size,
+                "cpu": not cuda,
+                "cpu_threads": cpu_threads,
+                "extra_flags": tuple(cfg.server_flags),
+                "startup_timeout_s": cfg.startup_timeout_s,
             },
             "max_in_flight": cfg.max_in_flight,
             "request_timeout_s": cfg.request_timeout_s,
             "dump_timeout_s": cfg.dump_timeout_s,
-        }  # fmt: skip
+        }
 
     @classmethod
     def provenance(cls, kwargs: dict, cuda: bool) -> dict:
@@ -93,7 +97,9 @@ class SGLangEngine:
         flags = build_command(spec, port=0)[3:]  # without the interpreter and `-m sglang.launch_server`
         return {"name": cls.name, "version": version("sglang"), "device": "cuda" if cuda else "cpu", "flags": flags}
 
-    def __init__(self, spec_without_dump: dict, max_in_flight: int, request_timeout_s: float, dump_timeout_s: float = 30.0):
+    def __init__(
+        self, spec_without_dump: dict, max_in_flight: int, request_timeout_s: float, dump_timeout_s: float = 30.0
+    ):
         remove_orphaned_dump_dirs(default_dump_root())
         self._dump_dir = make_dump_dir(default_dump_root())
         self.spec = ServerSpec(dump_dir=self._dump_dir, **spec_without_dump)
@@ -191,7 +197,9 @@ class SGLangEngine:
             latency = time.monotonic() - t0
         path = dump_path(self._dump_dir, rid)
         if not await self._published(path):
-            return RequestResult(key, None, f"no hidden-state dump for request {rid} after {self.dump_timeout_s:g}s", latency, rid)
+            return RequestResult(
+                key, None, f"no hidden-state dump for request {rid} after {self.dump_timeout_s:g}s", latency, rid
+            )
         try:
             cap = read_dump(path)
         except (DumpError, OSError) as e:

@@ -23,7 +23,6 @@ from pathlib import Path
 import requests
 
 from actors.engine import EngineDied
-
 from patches.sglang import server_pythonpath
 
 logger = logging.getLogger(__name__)
@@ -91,19 +90,26 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
     # User flags first: argparse keeps the last value, so the engine's own flags always win.
     cmd = [sys.executable, "-m", "sglang.launch_server", *spec.extra_flags]
     cmd += [
-        "--model-path", str(spec.model_dir),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--tp-size", str(spec.tp_size),
+        "--model-path",
+        str(spec.model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tp-size",
+        str(spec.tp_size),
         "--disable-radix-cache",
-        "--chunked-prefill-size", str(spec.chunked_prefill_size),
-    ]  # fmt: skip
+        "--chunked-prefill-size",
+        str(spec.chunked_prefill_size),
+    ]
     if spec.capture:
         cmd += [
             "--enable-return-aux-hidden-states",
-            "--speculative-algorithm", "EAGLE3",
-            "--return-aux-hidden-state-layer-ids", *[str(i) for i in spec.aux_layers],
-        ]  # fmt: skip
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--return-aux-hidden-state-layer-ids",
+            *[str(i) for i in spec.aux_layers],
+        ]
     if not spec.cpu:
         cmd += ["--disable-prefill-cuda-graph"]  # SGLang 0.5.23 captures prefill graphs on CUDA by default
     if spec.cpu:
@@ -162,7 +168,11 @@ class SGLangServer:
         log = open(self._log_path, "ab")
         try:
             self._proc = subprocess.Popen(
-                cmd, env=build_env(self.spec), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                cmd,
+                env=build_env(self.spec),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         finally:
             log.close()

@@ -10,9 +10,8 @@ import logging
 import os
 import shutil
 
-from pipeline.format.storage import human_bytes
 from pipeline.format.shards import ShardLayout
-from pipeline.format.storage import Store
+from pipeline.format.storage import Store, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +43,13 @@ def check_budget(store: Store, layout: ShardLayout, tokens: int, masked_tokens: 
     need = estimate_bytes(layout, tokens, masked_tokens)
     free = free_bytes(store)
     logger.info(
-        "storage estimate: ~%s for %d tokens (%s ratio %.2f)%s", human_bytes(need), tokens, layout.encoding,
-        ENCODING_RATIO[layout.encoding], "" if free is None else f"; {human_bytes(free)} free at {store.display()}",
-    )  # fmt: skip
+        "storage estimate: ~%s for %d tokens (%s ratio %.2f)%s",
+        human_bytes(need),
+        tokens,
+        layout.encoding,
+        ENCODING_RATIO[layout.encoding],
+        "" if free is None else f"; {human_bytes(free)} free at {store.display()}",
+    )
     if enforce and free is not None and need > free:
         raise InsufficientSpace(
             f"this run needs ~{human_bytes(need)} at {store.display()} but only {human_bytes(free)} is free. "

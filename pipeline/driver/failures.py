@@ -36,4 +36,3 @@ def failure_message(e: BaseException) -> str:
         f"the run failed: {what}. Everything committed before the failure is kept (no partial shard is ever "
         f"visible); {hint} to continue where it stopped."
     )
-

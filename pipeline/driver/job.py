@@ -12,32 +12,48 @@ import json
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 
 from actors.engine import engine_class
+from actors.extractor import HiddenStateExtractor
 from conf import HarvestConfig
-from pipeline.intake import model as model_lib
 from pipeline.driver.budget import check_budget
-from pipeline.intake.stage import TokenizeLines
-from pipeline.format.manifest import (
-    DUPLICATES, ERROR_DIR, base_manifest, check_settings, committed_totals, error_files, error_lines, read_manifest,
-    reopen_transient_errors, write_manifest,
-)
 from pipeline.driver.plan import Plan
 from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.driver.progress import Progress
-from pipeline.intake.read import read_jsonl
-from pipeline.format.shards import SHARD_DIR, ShardLayout, list_shards, shard_sample_ids
+from pipeline.format.manifest import (
+    DUPLICATES,
+    ERROR_DIR,
+    base_manifest,
+    check_settings,
+    committed_totals,
+    error_files,
+    error_lines,
+    read_manifest,
+    reopen_transient_errors,
+    write_manifest,
+)
+from pipeline.format.shards import SHARD_DIR, list_shards, shard_sample_ids
 from pipeline.format.storage import Store
-from pipeline.intake.tokenize import TOKENIZED_SCHEMA, fingerprint_tokenizer
+from pipeline.intake.read import read_jsonl
+from pipeline.intake.stage import TokenizeLines
+from pipeline.intake.tokenize import TOKENIZED_SCHEMA
 
 logger = logging.getLogger(__name__)
 
 # The per-sample metadata the driver needs; never the token ids.
-INDEX_COLUMNS = ("sample_id", "source", "num_tokens", "num_masked", "status", "turns", "cost_full", "cost_each", "unrendered")
+INDEX_COLUMNS = (
+    "sample_id",
+    "source",
+    "num_tokens",
+    "num_masked",
+    "status",
+    "turns",
+    "cost_full",
+    "cost_each",
+    "unrendered",
+)
 
 
 def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
@@ -46,15 +62,18 @@ def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
     return read_jsonl(cfg.input.path, cfg.input.max_line_bytes).map_batches(
         TokenizeLines,
         fn_constructor_kwargs=dict(
-            model_dir=str(plan.model_dir), max_tokens=cfg.extract.max_tokens,
-            overlength=cfg.extract.overlength, id_field=cfg.input.id_field,
-            turns=cfg.extract.turns, template_kwargs=dict(cfg.extract.template_kwargs),
+            model_dir=str(plan.model_dir),
+            max_tokens=cfg.extract.max_tokens,
+            overlength=cfg.extract.overlength,
+            id_field=cfg.input.id_field,
+            turns=cfg.extract.turns,
+            template_kwargs=dict(cfg.extract.template_kwargs),
         ),
         batch_format="pyarrow",
         batch_size=256,
         # Tokenizing is CPU-bound and cheap next to extraction; a few actors keep it off the critical path.
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4),
-    )  # fmt: skip
+    )
 
 
 def conversation_summary(index: pa.Table, policy: str) -> dict:
@@ -76,10 +95,16 @@ def conversation_summary(index: pa.Table, policy: str) -> dict:
         f"one sample per assistant turn; tokens {tokens_chosen} (full would be {tokens_full}, each {tokens_each})"
     )
     return {
-        "turns": policy, "conversations": len(per_row), "full": chosen["full"], "each": chosen["each"],
-        "tokens_full": tokens_full, "tokens_each": tokens_each, "tokens_chosen": tokens_chosen,
-        "unrendered": dict(unrendered), "plan": plan,
-    }  # fmt: skip
+        "turns": policy,
+        "conversations": len(per_row),
+        "full": chosen["full"],
+        "each": chosen["each"],
+        "tokens_full": tokens_full,
+        "tokens_each": tokens_each,
+        "tokens_chosen": tokens_chosen,
+        "unrendered": dict(unrendered),
+        "plan": plan,
+    }
 
 
 def index_of(tokenized) -> pa.Table:
@@ -108,7 +133,9 @@ def find_duplicates(ids: pa.Table) -> dict[str, str]:
     """
     first: dict[str, str] = {}
     dups: dict[str, str] = {}
-    for sid, source in sorted(zip(ids["sample_id"].to_pylist(), ids["source"].to_pylist()), key=lambda r: _source_key(r[1])):
+    for sid, source in sorted(
+        zip(ids["sample_id"].to_pylist(), ids["source"].to_pylist()), key=lambda r: _source_key(r[1])
+    ):
         if sid in first and first[sid] != source:
             dups.setdefault(source, f"duplicate sample_id {sid!r} (first seen at {first[sid]})")
         else:
@@ -123,9 +150,17 @@ def _source_key(source: str):
 
 def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
     cpu_threads = cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors)
-    kwargs = engine_class(cfg.engine.name).kwargs_for(cfg.engine, str(plan.model_dir), plan.layout.aux_layers, plan.cuda, cpu_threads)
-    return dict(engine_name=cfg.engine.name, engine_kwargs=kwargs, layout=plan.layout, output_url=cfg.output.path,
-                retries=cfg.extract.retries, encode_threads=cfg.output.encode_threads)  # fmt: skip
+    kwargs = engine_class(cfg.engine.name).kwargs_for(
+        cfg.engine, str(plan.model_dir), plan.layout.aux_layers, plan.cuda, cpu_threads
+    )
+    return dict(
+        engine_name=cfg.engine.name,
+        engine_kwargs=kwargs,
+        layout=plan.layout,
+        output_url=cfg.output.path,
+        retries=cfg.extract.retries,
+        encode_threads=cfg.output.encode_threads,
+    )
 
 
 def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
@@ -154,7 +189,10 @@ def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool
     store.clean_temporaries(SHARD_DIR)
     store.clean_temporaries(ERROR_DIR)
     if retry_errors:
-        logger.info("--retry-errors: %d samples with a transient (engine/extract) error will run again", reopen_transient_errors(store))
+        logger.info(
+            "--retry-errors: %d samples with a transient (engine/extract) error will run again",
+            reopen_transient_errors(store),
+        )
     manifest = base_manifest(cfg.output.path, plan.settings, provenance(cfg, plan), cfg.model_dump(mode="json"))
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
 
@@ -169,8 +207,14 @@ def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool
     if dups:
         # One line per skipped sample, like every other error file (a duplicated row may hold several turns).
         skipped = sorted((s, sid) for sid, s in zip(index["sample_id"].to_pylist(), sources) if s in dups)
-        body = "".join(json.dumps({"sample_id": sid, "source": s, "status": "filtered", "stage": "dedup", "reason": dups[s]}, ensure_ascii=False) + "\n"
-                       for s, sid in skipped)  # fmt: skip
+        body = "".join(
+            json.dumps(
+                {"sample_id": sid, "source": s, "status": "filtered", "stage": "dedup", "reason": dups[s]},
+                ensure_ascii=False,
+            )
+            + "\n"
+            for s, sid in skipped
+        )
         store.write_bytes(DUPLICATES, body.encode())
     todo_mask = [s not in dups and sid not in done for sid, s in zip(index["sample_id"].to_pylist(), sources)]
     todo_rows = sum(todo_mask)
@@ -179,9 +223,15 @@ def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool
     conversations = conversation_summary(index, cfg.extract.turns)
     logger.info(
         "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens), device=%s; %s",
-        input_rows, samples, samples - todo_rows - dup_samples, dup_samples, todo_rows, todo_tokens,
-        "cuda" if plan.cuda else "cpu", conversations["plan"],
-    )  # fmt: skip
+        input_rows,
+        samples,
+        samples - todo_rows - dup_samples,
+        dup_samples,
+        todo_rows,
+        todo_tokens,
+        "cuda" if plan.cuda else "cpu",
+        conversations["plan"],
+    )
     if conversations["unrendered"]:
         logger.warning(
             "the chat template does not render some fields, which are kept out of those samples: %s "
@@ -203,24 +253,31 @@ def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool
     totals["samples"] = samples
     totals["accounted"] = totals["samples_ok"] + totals["errors"] + totals["filtered"]
     last_run = {
-        "samples_ok": progress.ok, "errors": progress.errors, "tokens": progress.tokens, "bytes": progress.bytes,
-        "extract_seconds": round(progress.elapsed(), 3), "tokens_per_second": round(progress.tokens / max(progress.elapsed(), 1e-9), 1),
-        "first_result_seconds": round(progress.first_result_at - progress.started, 3) if progress.first_result_at else None,
+        "samples_ok": progress.ok,
+        "errors": progress.errors,
+        "tokens": progress.tokens,
+        "bytes": progress.bytes,
+        "extract_seconds": round(progress.elapsed(), 3),
+        "tokens_per_second": round(progress.tokens / max(progress.elapsed(), 1e-9), 1),
+        "first_result_seconds": round(progress.first_result_at - progress.started, 3)
+        if progress.first_result_at
+        else None,
         "steady_tokens_per_second": round(progress.steady_tokens_per_second() or 0.0, 1),
         "tokens_per_second_after_engine_start": round(progress.tokens_per_second_after_engine_start() or 0.0, 1),
         # The window that rate covers (wall clock), to set against the engines' own timestamps in per_actor.
-        "engines_ready_unix": progress.engines_ready_unix, "last_result_unix": progress.last_result_unix or None,
+        "engines_ready_unix": progress.engines_ready_unix,
+        "last_result_unix": progress.last_result_unix or None,
         "per_actor": progress.actors,
-    }  # fmt: skip
+    }
     write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=last_run))
     return {"totals": totals, "this_run": progress, "reasons": reasons.most_common(5), "output": store.display()}
 
 
-def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done: set, progress: Progress, reasons: Counter) -> None:
+def _extract(
+    cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done: set, progress: Progress, reasons: Counter
+) -> None:
     """Map the remaining samples onto the actor pool; consume only their metadata rows here."""
     import ray.data
-
-    from actors.extractor import HiddenStateExtractor
 
     todo = tokenized.filter(lambda r: r["source"] not in skip_sources and r["sample_id"] not in done)
     # One block per actor batch: every actor gets work, and each committed shard reports back at once
@@ -234,9 +291,12 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
         batch_format="pyarrow",
         # Several batches per actor on threads: one encodes and commits while the next keeps the server busy.
         compute=ray.data.ActorPoolStrategy(
-            min_size=cfg.engine.num_actors, max_size=cfg.engine.num_actors,
-            max_tasks_in_flight_per_actor=batches, max_concurrent_calls_per_actor=batches, enable_true_multi_threading=True,
-        ),  # fmt: skip
+            min_size=cfg.engine.num_actors,
+            max_size=cfg.engine.num_actors,
+            max_tasks_in_flight_per_actor=batches,
+            max_concurrent_calls_per_actor=batches,
+            enable_true_multi_threading=True,
+        ),
         num_gpus=cfg.engine.gpus_per_actor(plan.cuda),
         num_cpus=cfg.engine.cpus_per_actor,
     )
@@ -249,9 +309,14 @@ def _extract(cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done:
     for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
         statuses = batch["status"].to_pylist()
         progress.update(statuses, batch["num_tokens"].to_pylist(), batch["bytes"].to_pylist())
-        progress.update_actors(batch["actor"].to_pylist(), batch["engine_ready_unix"].to_pylist(), statuses,
-                               batch["num_tokens"].to_pylist(), batch["batch_started_unix"].to_pylist(),
-                               batch["engine_stats"].to_pylist())  # fmt: skip
+        progress.update_actors(
+            batch["actor"].to_pylist(),
+            batch["engine_ready_unix"].to_pylist(),
+            statuses,
+            batch["num_tokens"].to_pylist(),
+            batch["batch_started_unix"].to_pylist(),
+            batch["engine_stats"].to_pylist(),
+        )
         reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), statuses) if st != "ok")
         progress.maybe_log()
     progress.maybe_log(force=True)

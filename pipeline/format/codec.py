@@ -43,7 +43,9 @@ def _zstd_bound(n: int) -> int:
 def to_planes(bits: np.ndarray) -> np.ndarray:
     """uint16 bf16 bits [T, W] -> uint8 byte planes [2, W, T] (plane 0 low bytes)."""
     t, w = bits.shape
-    return np.ascontiguousarray(np.ascontiguousarray(bits, dtype="<u2").view(np.uint8).reshape(t, w, 2).transpose(2, 1, 0))
+    return np.ascontiguousarray(
+        np.ascontiguousarray(bits, dtype="<u2").view(np.uint8).reshape(t, w, 2).transpose(2, 1, 0)
+    )
 
 
 def from_planes(planes: np.ndarray) -> np.ndarray:
@@ -125,4 +127,3 @@ class Codec:
     def decode_bits(self, value, tokens: int, width: int) -> np.ndarray:
         """A stored value -> uint16 bf16 bits [T, W]."""
         return from_planes(self.decode(value, tokens, width))
-

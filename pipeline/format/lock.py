@@ -80,8 +80,14 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def _body(self) -> bytes:
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id, "started_at": self.started_at,
-                  "heartbeat_at": time.time(), "lease_s": self.lease_s}  # fmt: skip
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": self.run_id,
+            "started_at": self.started_at,
+            "heartbeat_at": time.time(),
+            "lease_s": self.lease_s,
+        }
         return (json.dumps(holder) + "\n").encode()
 
     def read(self) -> dict | None:

@@ -52,7 +52,8 @@ def check_settings(existing: dict | None, settings: dict) -> None:
     if diff:
         lines = [f"  {k}: output has {old.get(k)!r}, this run has {settings.get(k)!r}" for k in diff]
         raise SettingsMismatch(
-            f"output {existing.get('output', '')} was written with different data settings:\n" + "\n".join(lines)
+            f"output {existing.get('output', '')} was written with different data settings:\n"
+            + "\n".join(lines)
             + "\nUse a new output.path, or rerun with the original settings."
         )
 

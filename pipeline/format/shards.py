@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -92,10 +92,14 @@ def encode_sample(sample_id: str, input_ids, loss_mask, aux_planes, last_planes,
     if layout.last_rows == "masked":
         last_planes = np.ascontiguousarray(np.asarray(last_planes)[:, :, np.asarray(loss_mask, dtype=bool)])
     codec = layout.codec
-    return EncodedSample(sample_id, list(input_ids), list(loss_mask), codec.encode(aux_planes), codec.encode(last_planes))
+    return EncodedSample(
+        sample_id, list(input_ids), list(loss_mask), codec.encode(aux_planes), codec.encode(last_planes)
+    )
 
 
-def encode_bits(sample_id: str, input_ids, loss_mask, aux_bits: np.ndarray, last_bits: np.ndarray, layout: ShardLayout) -> EncodedSample:
+def encode_bits(
+    sample_id: str, input_ids, loss_mask, aux_bits: np.ndarray, last_bits: np.ndarray, layout: ShardLayout
+) -> EncodedSample:
     """From uint16 bf16 bits [T, K*H] and [T, H] (tests, benchmarks, engines without the GPU-side split)."""
     return encode_sample(sample_id, input_ids, loss_mask, to_planes(aux_bits), to_planes(last_bits), layout)
 
@@ -113,7 +117,9 @@ def shard_name(sample_ids: list[str]) -> str:
 def _binary_column(values: list[np.ndarray]) -> pa.ChunkedArray:
     """One chunk per sample, wrapping its encoded value without a copy (the Parquet writer copies once)."""
     chunks = [
-        pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, pa.py_buffer(np.array([0, v.nbytes], np.int64)), pa.py_buffer(v)])
+        pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), 1, [None, pa.py_buffer(np.array([0, v.nbytes], np.int64)), pa.py_buffer(v)]
+        )
         for v in values
     ]
     return pa.chunked_array(chunks, pa.large_binary())
@@ -167,7 +173,11 @@ class ShardWriter:
             self._tmp = self.store.stage(SHARD_DIR)
             self._file = pa.OSFile(self._tmp, "wb")
             # Per-column settings name Parquet leaf paths (a list column's leaf is `col.list.element`).
-            plain = [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in table.schema if f.name not in HIDDEN_COLUMNS]
+            plain = [
+                f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name
+                for f in table.schema
+                if f.name not in HIDDEN_COLUMNS
+            ]
             self._writer = pq.ParquetWriter(
                 self._file,
                 table.schema,
@@ -177,7 +187,7 @@ class ShardWriter:
                 write_statistics=["sample_id", "num_tokens"],
                 # One hidden-state value per page: a page is limited to 2 GiB, a row group of large values is not.
                 write_batch_size=1,
-            )  # fmt: skip
+            )
         self._writer.write_table(table, row_group_size=table.num_rows)
         if self.store.local:
             # Each row group goes to the disk as it is written. Left to the page cache, a shard's gigabytes
@@ -282,8 +292,12 @@ def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True, expan
     if as_torch:
         import torch
 
-        out.update(input_ids=torch.from_numpy(ids.astype(np.int64)), loss_mask=torch.from_numpy(mask.copy()),
-                   aux_hidden_states=_bf16(aux), last_hidden_state=_bf16(last))  # fmt: skip
+        out.update(
+            input_ids=torch.from_numpy(ids.astype(np.int64)),
+            loss_mask=torch.from_numpy(mask.copy()),
+            aux_hidden_states=_bf16(aux),
+            last_hidden_state=_bf16(last),
+        )
         if masked:
             out["last_hidden_state_positions"] = torch.from_numpy(out["last_hidden_state_positions"])
     else:

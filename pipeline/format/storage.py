@@ -15,7 +15,8 @@ import posixpath
 import re
 import tempfile
 import uuid
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 import fsspec
 

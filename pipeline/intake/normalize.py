@@ -20,8 +20,16 @@ from dataclasses import dataclass
 ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 REASONING_KEY = "reasoning_content"
 REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "tool": "tool", "observation": "tool", "function": "function"}  # fmt: skip
+_SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function": "function",
+}
 
 
 class BadRow(ValueError):

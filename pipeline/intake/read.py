@@ -13,8 +13,8 @@ from typing import IO
 
 import fsspec
 
-from pipeline.intake.normalize import bytes_id
 from pipeline.format.storage import storage_options
+from pipeline.intake.normalize import bytes_id
 
 logger = logging.getLogger(__name__)
 
@@ -99,4 +99,3 @@ def read_jsonl(pattern: str, max_line_bytes: int = MAX_LINE_BYTES):
     files = expand_inputs(pattern)
     logger.info("reading %d input file(s) from %s", len(files), pattern)
     return ray.data.from_items([{"path": u} for u in files]).flat_map(read_lines, fn_kwargs={"limit": max_line_bytes})
-

@@ -53,10 +53,13 @@ class TemplateRenderer:
         msgs = [self._adapt(m) for m in messages]
         try:
             return self.tok.apply_chat_template(
-                msgs, tools=list(tools) if tools else None, tokenize=False,
-                add_generation_prompt=generation_prompt, **self.kwargs,
-            )  # fmt: skip
-        except Exception as e:  # the template is user code: its own message is the reason
+                msgs,
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **self.kwargs,
+            )
+        except Exception as e:  # noqa: BLE001 -- the template is user code: its own message is the reason
             raise BadRow(f"chat template cannot render this conversation: {type(e).__name__}: {e}") from None
 
     def assistant_token_mask(self, messages: Sequence[dict], tools=None) -> tuple[list[int], list[int]]:
@@ -64,9 +67,13 @@ class TemplateRenderer:
         msgs = [self._adapt(m) for m in messages]
         try:
             out = self.tok.apply_chat_template(
-                msgs, tools=list(tools) if tools else None, tokenize=True, return_dict=True,
-                return_assistant_tokens_mask=True, **self.kwargs,
-            )  # fmt: skip
-        except Exception as e:
+                msgs,
+                tools=list(tools) if tools else None,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **self.kwargs,
+            )
+        except Exception as e:  # noqa: BLE001 -- the template is user code: its own message is the reason
             raise BadRow(f"chat template cannot render this conversation: {type(e).__name__}: {e}") from None
         return list(out["input_ids"]), list(out["assistant_masks"])

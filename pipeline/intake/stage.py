@@ -21,9 +21,21 @@ REQUIRED_COLUMNS = ("source", "line")
 
 
 def error_row(sample_id: str, source: str, stage: str, reason: str) -> dict:
-    return {"sample_id": sample_id, "source": source, "input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
-            "status": "error", "stage": stage, "reason": reason, "turns": "", "cost_full": 0, "cost_each": 0,
-            "unrendered": ""}  # fmt: skip
+    return {
+        "sample_id": sample_id,
+        "source": source,
+        "input_ids": [],
+        "loss_mask": [],
+        "num_tokens": 0,
+        "num_masked": 0,
+        "status": "error",
+        "stage": stage,
+        "reason": reason,
+        "turns": "",
+        "cost_full": 0,
+        "cost_each": 0,
+        "unrendered": "",
+    }
 
 
 def line_id(line: str) -> str:
@@ -44,7 +56,9 @@ class TokenizeLines:
         read_errors = batch["read_error"].to_pylist() if "read_error" in batch.column_names else [""] * n
         read_ids = batch["read_id"].to_pylist() if "read_id" in batch.column_names else [""] * n
         rows = []
-        for source, line, read_error, read_id in zip(batch["source"].to_pylist(), batch["line"].to_pylist(), read_errors, read_ids):
+        for source, line, read_error, read_id in zip(
+            batch["source"].to_pylist(), batch["line"].to_pylist(), read_errors, read_ids
+        ):
             if read_error:
                 rows.append(error_row(read_id or line_id(source), source, "read", read_error))
             else:
@@ -57,4 +71,6 @@ class TokenizeLines:
             return self.tokenize.tokenize_line(source, line)
         except Exception as e:  # noqa: BLE001 -- one row's failure is that row's error, never the job's
             logger.warning("%s: tokenizer raised %s", source, type(e).__name__)
-            return [error_row(line_id(line), source, "tokenize", f"cannot be tokenized: {type(e).__name__}: {str(e)[:200]}")]
+            return [
+                error_row(line_id(line), source, "tokenize", f"cannot be tokenized: {type(e).__name__}: {str(e)[:200]}")
+            ]

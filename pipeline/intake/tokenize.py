@@ -85,8 +85,16 @@ def fingerprint_tokenizer(model_dir: str | Path) -> dict[str, str]:
 class Tokenize:
     """map_batches stage (pyarrow in, pyarrow out): needs columns `source`, `line`; one row in, one or more out."""
 
-    def __init__(self, model_dir: str, max_tokens: int, overlength: str, id_field: str = "id", turns: str = "auto",
-                 template_kwargs: dict | None = None, chat_template: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        max_tokens: int,
+        overlength: str,
+        id_field: str = "id",
+        turns: str = "auto",
+        template_kwargs: dict | None = None,
+        chat_template: str | None = None,
+    ):
         self.tokenizer = ChatTokenizer(model_dir, template_kwargs, chat_template)
         self.max_tokens = max_tokens
         self.overlength = overlength
@@ -129,8 +137,14 @@ class Tokenize:
     def _finish(self, sid: str, source: str, ids, mask, **extra) -> dict:
         if len(ids) > self.max_tokens:
             if self.overlength == "reject":
-                return _row(sid, source, "filtered", "tokenize",
-                            f"{len(ids)} tokens > extract.max_tokens={self.max_tokens} (overlength=reject)", **extra)  # fmt: skip
+                return _row(
+                    sid,
+                    source,
+                    "filtered",
+                    "tokenize",
+                    f"{len(ids)} tokens > extract.max_tokens={self.max_tokens} (overlength=reject)",
+                    **extra,
+                )
             ids, mask = ids[: self.max_tokens], mask[: self.max_tokens]
         if not any(mask):
             return _row(sid, source, "filtered", "tokenize", "no token has loss_mask 1", **extra)

@@ -139,7 +139,11 @@ class ChatEncoder(TurnLocator):
         if self.r.has_generation_tags:
             tag_ids, mask = self.r.assistant_token_mask(msgs, tools)
             if tag_ids == ids and self._covers(ids, mask, text, [msgs[i] for i in turns]):
-                return Encoded(ids, self._trimmed(ids, mask), self._unrendered(msgs, tools, text, {i: (0, len(text)) for i in turns}))
+                return Encoded(
+                    ids,
+                    self._trimmed(ids, mask),
+                    self._unrendered(msgs, tools, text, {i: (0, len(text)) for i in turns}),
+                )
         mask = [0] * len(ids)
         spans = {}
         for i in turns:
@@ -199,7 +203,9 @@ class ChatEncoder(TurnLocator):
             if isinstance(full, BadRow):
                 return ChatResult("full", [TurnSample(None, error=str(full))], cost)
             return ChatResult("full", [TurnSample(None, full)], cost)
-        samples = [TurnSample(k, error=str(e)) if isinstance(e, BadRow) else TurnSample(k, e[0]) for k, e in enumerate(each)]
+        samples = [
+            TurnSample(k, error=str(e)) if isinstance(e, BadRow) else TurnSample(k, e[0]) for k, e in enumerate(each)
+        ]
         return ChatResult("each", samples, cost)
 
     @staticmethod
@@ -208,7 +214,7 @@ class ChatEncoder(TurnLocator):
             stable = all(
                 enc.ids == full.ids[: len(enc.ids)] and enc.mask[start:] == full.mask[start : len(enc.ids)]
                 for enc, start in each
-            )  # fmt: skip
+            )
             return "full" if stable else "each"
         if all(not isinstance(e, BadRow) for e in each):
             return "each"

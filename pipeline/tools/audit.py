@@ -1,14 +1,15 @@
 """`harvest audit`: recompute committed samples in float32 and compare them with what was stored.
 
-The reference is the transformers engine (actors/hf/engine.py) run in float32 on the model the manifest
+The reference is transformers (actors/hf/reference.py) run in float32 on the model the manifest
 names, sharing no code with the SGLang capture path (server, hook, dump, validation). For each audited
-sample and each stored layer (every aux layer, then the final state) it reports the per-token cosine
-between stored bf16 and reference float32 (mean and minimum) and the largest absolute difference. A
-sample/layer whose mean or minimum falls below the thresholds fails the audit; the report names the worst.
+sample and each stored layer (every aux layer, then the final state) it judges the stored bf16 states
+against float32 by the yardstick of a bf16 forward of the same tokens (pipeline/tools/fidelity.py): a healthy
+capture is about as far from float32 as any bf16 forward is, damage is many times further. The report
+gives each layer's distances, the rule and its factors, cosines for the reader, and names the worst.
 
 What it catches: a sample paired with another sample's states, a shifted or wrong layer, a truncated or
-offset sequence, corrupted bytes that still decode, a different model. What it cannot: bf16 rounding,
-which it is built to tolerate.
+offset sequence, corrupted bytes that still decode, a different model. What it cannot: bf16 rounding
+and the drift it accumulates over the layers, which it is built to tolerate.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.intake import model as model_lib
+from actors.hf.reference import ReferenceStates
 from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import decode_row, list_shards, read_layout, shard_sample_ids
 from pipeline.format.storage import Store
+from pipeline.intake import model as model_lib
+from pipeline.tools.fidelity import DEFAULT_RULE, FLOOR, Deviation, NoiseRule, as_float
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +41,40 @@ class AuditError(RuntimeError):
     """The audit cannot run (no manifest, model missing or different); the message says what to do."""
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    mean_cosine: float = 0.9995  # per sample and layer: the mean over its tokens
-    min_cosine: float = 0.99  # per sample and layer: the worst token
-    # per sample and layer: mean over tokens of | |stored| / |reference| - 1 |. Cosine is blind to scale;
-    # a layer stored at twice its size (or the pre-norm state stored as the final one) fails this.
-    max_norm_error: float = 0.02
-
-
 @dataclass
 class LayerResult:
+    """One stored layer of one sample: the noise rule's verdict, and cosines for the reader."""
+
     sample_id: str
     layer: str  # "aux layer 2", ..., "final"
     tokens: int
     mean_cosine: float
     min_cosine: float
-    worst_token: int
     max_abs_diff: float
-    norm_error: float = 0.0  # mean over tokens of | |stored| / |reference| - 1 |
+    mean_error: float  # relative L2 distance to float32, mean over tokens
+    noise_error: float  # the same for a bf16 forward of the same tokens (the yardstick)
+    worst_token: int  # the token furthest past its allowance
+    worst_error: float
+    worst_allowed: float
+    sample_allowed: float
+    passed: bool
 
-    def passes(self, t: Thresholds) -> bool:
-        return self.mean_cosine >= t.mean_cosine and self.min_cosine >= t.min_cosine and self.norm_error <= t.max_norm_error
+    @property
+    def ratio(self) -> float:
+        """How many times a bf16 forward's distance this layer stands from float32 (its mean over tokens)."""
+        return self.mean_error / max(self.noise_error, FLOOR)
+
+    def why(self) -> str:
+        return Deviation(
+            self.tokens,
+            self.mean_error,
+            self.noise_error,
+            self.worst_token,
+            self.worst_error,
+            self.worst_allowed,
+            self.sample_allowed,
+            self.passed,
+        ).why()
 
 
 @dataclass
@@ -67,39 +82,65 @@ class AuditReport:
     output: str
     model: str
     device: str
-    thresholds: Thresholds
+    rule: NoiseRule
     samples: list[str] = field(default_factory=list)
     results: list[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def failures(self) -> list[LayerResult]:
-        return [r for r in self.results if not r.passes(self.thresholds)]
+        return [r for r in self.results if not r.passed]
 
     @property
     def ok(self) -> bool:
         return bool(self.results) and not self.failures
 
     def worst(self) -> LayerResult | None:
+        """The failure (or, with none, the result) furthest past its allowance, sample mean or worst token."""
         if not self.results:
             return None
-        # Among the failures when there are any (a sample failing on one bad token may have a higher mean
-        # than a passing one): the one furthest below its thresholds (a low mean is worse than one bad token).
-        t = self.thresholds
-        return min(self.failures or self.results,
-                   key=lambda r: (min(r.mean_cosine - t.mean_cosine, t.max_norm_error - r.norm_error), r.min_cosine))  # fmt: skip
+        return max(
+            self.failures or self.results,
+            key=lambda r: max(r.mean_error / r.sample_allowed, r.worst_error / r.worst_allowed),
+        )
 
     def per_layer(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for r in self.results:
-            d = out.setdefault(r.layer, {"tokens": 0, "sum": 0.0, "min_cosine": 1.0, "max_abs_diff": 0.0, "max_norm_error": 0.0})
+            d = out.setdefault(
+                r.layer,
+                {
+                    "tokens": 0,
+                    "cos": 0.0,
+                    "err": 0.0,
+                    "noise": 0.0,
+                    "min_cosine": 1.0,
+                    "max_abs_diff": 0.0,
+                    "max_ratio": 0.0,
+                    "failed": 0,
+                },
+            )
             d["tokens"] += r.tokens
-            d["sum"] += r.mean_cosine * r.tokens
+            d["cos"] += r.mean_cosine * r.tokens
+            d["err"] += r.mean_error * r.tokens
+            d["noise"] += r.noise_error * r.tokens
             d["min_cosine"] = min(d["min_cosine"], r.min_cosine)
             d["max_abs_diff"] = max(d["max_abs_diff"], r.max_abs_diff)
-            d["max_norm_error"] = max(d["max_norm_error"], r.norm_error)
-        return {k: {"tokens": d["tokens"], "mean_cosine": d["sum"] / max(d["tokens"], 1), "min_cosine": d["min_cosine"],
-                    "max_abs_diff": d["max_abs_diff"], "max_norm_error": d["max_norm_error"]} for k, d in out.items()}  # fmt: skip
+            d["max_ratio"] = max(d["max_ratio"], r.ratio)
+            d["failed"] += not r.passed
+        return {
+            k: {
+                "tokens": d["tokens"],
+                "mean_cosine": d["cos"] / max(d["tokens"], 1),
+                "mean_error": d["err"] / max(d["tokens"], 1),
+                "bf16_error": d["noise"] / max(d["tokens"], 1),
+                "max_ratio": d["max_ratio"],
+                "min_cosine": d["min_cosine"],
+                "max_abs_diff": d["max_abs_diff"],
+                "failed": d["failed"],
+            }
+            for k, d in out.items()
+        }
 
     def to_json(self) -> dict:
         worst = self.worst()
@@ -107,36 +148,46 @@ class AuditReport:
             "output": self.output,
             "model": self.model,
             "device": self.device,
-            "reference": "transformers, float32 (actors/hf/engine.py)",
-            "thresholds": vars(self.thresholds),
+            "reference": "transformers (actors/hf/reference.py): float32 truth, bfloat16 yardstick of the same tokens",
+            "rule": {**vars(self.rule), "text": self.rule.describe(), "why": RULE_WHY},
             "passed": self.ok,
             "samples": self.samples,
             "per_layer": self.per_layer(),
-            "worst": vars(worst) if worst else None,
-            "failures": [vars(r) for r in self.failures],
+            "worst": {**vars(worst), "why": worst.why()} if worst else None,
+            "failures": [{**vars(r), "why": r.why()} for r in self.failures],
             "results": [vars(r) for r in self.results],
             "seconds": round(self.seconds, 2),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
 
     def text(self) -> str:
-        lines = [f"audit of {len(self.samples)} samples from {self.output} against {self.model} (float32, {self.device}):"]
+        lines = [
+            f"audit of {len(self.samples)} samples from {self.output} against {self.model} ({self.device}):",
+            f"  rule: {self.rule.describe()}",
+        ]
         for layer, d in self.per_layer().items():
-            lines.append(f"  {layer:>14}: mean cosine {d['mean_cosine']:.6f}, min {d['min_cosine']:.5f}, "
-                         f"max |diff| {d['max_abs_diff']:.4g}, norm error <= {d['max_norm_error']:.4f} over {d['tokens']:,} tokens")  # fmt: skip
+            lines.append(
+                f"  {layer:>14}: distance {d['mean_error']:.4g} (bf16 forward {d['bf16_error']:.4g}), worst sample "
+                f"{d['max_ratio']:.2f}x, mean cosine {d['mean_cosine']:.6f}, min {d['min_cosine']:.5f} "
+                f"over {d['tokens']:,} tokens"
+            )
         worst = self.worst()
-        t = self.thresholds
         if self.ok:
-            lines.append(f"PASS: every sample and layer has mean cosine >= {t.mean_cosine}, min >= {t.min_cosine} "
-                         f"and norm error <= {t.max_norm_error}")  # fmt: skip
+            lines.append("PASS: every sample and layer is within bf16 noise")
         elif worst is None:
             lines.append("FAIL: nothing to audit (no committed samples)")
         else:
-            lines.append(f"FAIL: {len(self.failures)} sample/layer pairs outside mean cosine >= {t.mean_cosine} / min >= "
-                         f"{t.min_cosine} / norm error <= {t.max_norm_error}; worst: sample {worst.sample_id!r}, {worst.layer}: "
-                         f"mean {worst.mean_cosine:.5f}, min {worst.min_cosine:.5f} at token {worst.worst_token}, "
-                         f"norm error {worst.norm_error:.4f}")  # fmt: skip
+            lines.append(
+                f"FAIL: {len(self.failures)} sample/layer pairs beyond bf16 noise; worst: sample {worst.sample_id!r}, "
+                f"{worst.layer}: {worst.why()}, mean cosine {worst.mean_cosine:.5f}"
+            )
         return "\n".join(lines)
+
+
+RULE_WHY = (
+    "a bf16 forward of the same tokens sets how far from float32 healthy data may be; the factors leave "
+    "2x or more margin over healthy outputs and below damage (pipeline/tools/fidelity.py)"
+)
 
 
 def _f32(bits: np.ndarray) -> np.ndarray:
@@ -144,25 +195,80 @@ def _f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def compare(sample_id: str, layer: str, stored: np.ndarray, ref: np.ndarray) -> LayerResult:
-    """Per-token cosine and max abs difference of stored [T, H] against reference [T, H] (float64 math)."""
-    a, b = stored.astype(np.float64), ref.astype(np.float64)
-    if a.shape != b.shape:
-        return LayerResult(sample_id, layer, int(a.shape[0]), 0.0, 0.0, 0, float("inf"))
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     dot = (a * b).sum(-1)
     na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         cos = np.where((na == 0) & (nb == 0), 1.0, dot / (na * nb))
-    cos = np.nan_to_num(cos, nan=0.0)
-    if cos.size == 0:
-        return LayerResult(sample_id, layer, 0, 1.0, 1.0, 0, 0.0)
-    worst = int(np.argmin(cos))
-    diff = np.abs(a - b)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = np.where(nb == 0, np.where(na == 0, 1.0, np.inf), na / nb)
-    norm_error = float(np.nan_to_num(np.abs(ratio - 1.0), nan=np.inf).mean())
-    return LayerResult(sample_id, layer, int(cos.size), float(cos.mean()), float(cos[worst]), worst,
-                       float(np.nan_to_num(diff, nan=np.inf).max()), norm_error)  # fmt: skip
+    return np.nan_to_num(cos, nan=0.0)
+
+
+def compare(sample_id: str, layer: str, stored, truth, yardstick, rule: NoiseRule = DEFAULT_RULE) -> LayerResult:
+    """stored [T, H] against the float32 truth and a bf16 forward of the same tokens (float64 math)."""
+    a, b = as_float(stored), as_float(truth)
+    d = rule.judge(a, b, yardstick)
+    if a.shape != b.shape:
+        return LayerResult(sample_id, layer, d.tokens, 0.0, 0.0, float("inf"), *_deviation_fields(d))
+    cos = _cosines(a, b)
+    diff = float(np.nan_to_num(np.abs(a - b), nan=np.inf).max()) if a.size else 0.0
+    return LayerResult(
+        sample_id,
+        layer,
+        d.tokens,
+        float(cos.mean()) if cos.size else 1.0,
+        float(cos.min()) if cos.size else 1.0,
+        diff,
+        *_deviation_fields(d),
+    )
+
+
+def _deviation_fields(d: Deviation) -> tuple:
+    return (d.mean_error, d.noise_error, d.worst_token, d.worst_error, d.worst_allowed, d.sample_allowed, d.passed)
+
+
+class Reference:
+    """The float32 truth and the bf16 yardstick of the same tokens: the transformers engine in both dtypes.
+
+    It shares no code with the SGLang capture path (server, hook, dump, validation). `layers()` gives, per
+    sequence, the K aux blocks then the final state, each [T, H] float32 numpy, for both dtypes."""
+
+    def __init__(self, model_dir, aux_layers, device: str = "cpu", max_batch_tokens: int | None = None):
+        # On a CPU padding costs as much as real tokens and batching gains little: small batches (measured: half
+        # the padded tokens and 30 % less time on the test output); a GPU wants large ones.
+        batch_tokens = max_batch_tokens or (16384 if device.startswith("cuda") else 2048)
+        self.aux_layers = tuple(aux_layers)
+        self._engines = [
+            ReferenceStates(str(model_dir), self.aux_layers, device, dtype, batch_tokens)
+            for dtype in ("float32", "bfloat16")
+        ]
+
+    def __enter__(self) -> Reference:
+        try:
+            for e in self._engines:
+                e.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for e in self._engines:
+            e.close()
+
+    def layers(self, sequences: list[list[int]]) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+        """[(truth blocks, yardstick blocks)] per sequence, in order."""
+        k = len(self.aux_layers)
+        truth, yard = (e.states(sequences) for e in self._engines)
+        return [(_blocks(t, k), _blocks(y, k)) for t, y in zip(truth, yard)]
+
+
+def _blocks(state, k: int) -> list[np.ndarray]:
+    aux, last = state
+    h = last.shape[-1]
+    return [aux[:, j * h : (j + 1) * h].numpy() for j in range(k)] + [last.numpy()]
 
 
 def resolve_model_dir(manifest: dict, override: str | None) -> Path:
@@ -190,10 +296,15 @@ def pick_samples(store: Store, samples: int | None, seed: int) -> dict[str, list
     return by_shard
 
 
-def audit(output: str, samples: int | None = DEFAULT_SAMPLES, device: str = "cpu", seed: int = 0,
-          thresholds: Thresholds = Thresholds(), model: str | None = None, max_batch_tokens: int | None = None) -> AuditReport:  # fmt: skip
-    from actors.hf.engine import HFEngine
-
+def audit(
+    output: str,
+    samples: int | None = DEFAULT_SAMPLES,
+    device: str = "cpu",
+    seed: int = 0,
+    rule: NoiseRule = DEFAULT_RULE,
+    model: str | None = None,
+    max_batch_tokens: int | None = None,
+) -> AuditReport:
     t0 = time.monotonic()
     store = Store(output)
     manifest = read_manifest(store)
@@ -201,35 +312,30 @@ def audit(output: str, samples: int | None = DEFAULT_SAMPLES, device: str = "cpu
         raise AuditError(f"{store.display()} has no manifest.json: not a hidden-harvest output")
     model_dir = resolve_model_dir(manifest, model)
     aux_layers = tuple(manifest["data_settings"]["aux_layers"])
-    report = AuditReport(store.display(), str(model_dir), device, thresholds)
+    report = AuditReport(store.display(), str(model_dir), device, rule)
     chosen = pick_samples(store, samples, seed)
-    # On a CPU padding costs as much as real tokens and batching gains little: small batches (measured: half
-    # the padded tokens and 30 % less time on the test output); a GPU wants large ones.
-    batch_tokens = max_batch_tokens or (16384 if device.startswith("cuda") else 2048)
-    # No warm-up: an audit's batches are few, and one that does not fit is split by the engine anyway.
-    engine = HFEngine(str(model_dir), aux_layers, device=device, dtype="float32", capture=False,
-                      max_batch_tokens=batch_tokens, warmup=False).start()  # fmt: skip
-    try:
+    names = [f"aux layer {layer}" for layer in aux_layers] + ["final"]
+    with Reference(model_dir, aux_layers, device, max_batch_tokens) as reference:
         for rel, rows in chosen.items():
             with store.fs.open(store.path(rel), "rb") as f:
                 table = pq.read_table(f)
             meta = read_layout(table.schema)
-            h = meta["hidden_size"]
             decoded = [decode_row(table, i, meta, as_torch=False, expand_last=False) for i, _ in rows]
-            refs = engine.states([d["input_ids"].tolist() for d in decoded])
-            for d, (ref_aux, ref_last) in zip(decoded, refs):
+            refs = reference.layers([d["input_ids"].tolist() for d in decoded])
+            for d, (truth, yard) in zip(decoded, refs):
                 sid = d["sample_id"]
                 report.samples.append(sid)
-                aux = _f32(d["aux_hidden_states"])
-                for k, layer in enumerate(aux_layers):
-                    cols = slice(k * h, (k + 1) * h)
-                    report.results.append(compare(sid, f"aux layer {layer}", aux[:, cols], ref_aux[:, cols].numpy()))
-                ref_last = ref_last.numpy()
+                stored = _blocks_of(d, len(aux_layers), meta["hidden_size"])
                 if "last_hidden_state_positions" in d:  # masked outputs store the final state at trained positions only
-                    ref_last = ref_last[d["last_hidden_state_positions"]]
-                report.results.append(compare(sid, "final", _f32(d["last_hidden_state"]), ref_last))
-    finally:
-        engine.close()
+                    keep = d["last_hidden_state_positions"]
+                    truth[-1], yard[-1] = truth[-1][keep], yard[-1][keep]
+                for name, got, t, y in zip(names, stored, truth, yard):
+                    report.results.append(compare(sid, name, got, t, y, rule))
     report.seconds = time.monotonic() - t0
     store.write_bytes(AUDIT_REPORT, (json.dumps(report.to_json(), indent=2) + "\n").encode())
     return report
+
+
+def _blocks_of(decoded: dict, k: int, h: int) -> list[np.ndarray]:
+    aux = _f32(decoded["aux_hidden_states"])
+    return [aux[:, j * h : (j + 1) * h] for j in range(k)] + [_f32(decoded["last_hidden_state"])]

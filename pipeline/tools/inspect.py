@@ -7,9 +7,8 @@ import json
 import pyarrow.parquet as pq
 
 from pipeline.format.manifest import ERROR_DIR, read_manifest
-from pipeline.format.storage import human_bytes
 from pipeline.format.shards import list_shards, read_layout
-from pipeline.format.storage import Store
+from pipeline.format.storage import Store, human_bytes
 
 
 def summarize(output: str) -> str:
@@ -19,8 +18,12 @@ def summarize(output: str) -> str:
         return f"{output}: no manifest.json (not a hidden-harvest output, or the first run never started)"
     shards = list_shards(store)
     lines = [f"output: {store.display()}  (status: {manifest.get('status')})"]
-    lines.append(f"model: {manifest['model']['name']}  engine: {manifest['engine']['name']} {manifest['engine']['version']} on {manifest['engine']['device']}")
-    lines.append(f"aux layers: {manifest['aux_layers']}  hidden size: {manifest['hidden_size']}  dtype: {manifest['dtype']}")
+    lines.append(
+        f"model: {manifest['model']['name']}  engine: {manifest['engine']['name']} {manifest['engine']['version']} on {manifest['engine']['device']}"
+    )
+    lines.append(
+        f"aux layers: {manifest['aux_layers']}  hidden size: {manifest['hidden_size']}  dtype: {manifest['dtype']}"
+    )
     t = manifest.get("totals") or {}
     if t:
         lines.append(

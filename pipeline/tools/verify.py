@@ -60,7 +60,9 @@ def _check_hidden(rel: str, table, meta: dict, sids: list[str], rows: dict, repo
             except ValueError as e:
                 bad += 1
                 if bad <= 3:
-                    report.problems.append(f"{rel}: sample {sids[i]} {name} does not decode to [{want[i]}, {width}]: {e}")
+                    report.problems.append(
+                        f"{rel}: sample {sids[i]} {name} does not decode to [{want[i]}, {width}]: {e}"
+                    )
 
 
 def _check_shard(store: Store, rel: str, expected: dict) -> tuple[Report, list[str]]:
@@ -70,7 +72,7 @@ def _check_shard(store: Store, rel: str, expected: dict) -> tuple[Report, list[s
         with store.fs.open(store.path(rel), "rb") as f:
             table = pq.read_table(f)
         meta = read_layout(table.schema)
-    except Exception as e:  # any reader failure is a finding, not a crash of the scan
+    except Exception as e:  # noqa: BLE001 -- any reader failure is a finding, not a crash of the scan
         report.problems.append(f"{rel}: cannot be read ({type(e).__name__}: {e})")
         return report, []
     for key in ("aux_layers", "hidden_size", "encoding", "last_hidden_state_rows"):
@@ -86,7 +88,9 @@ def _check_shard(store: Store, rel: str, expected: dict) -> tuple[Report, list[s
     for name, want in (("input_ids", n), ("loss_mask", n)):
         bad = np.flatnonzero(_lengths(table[name]) != want)
         for i in bad[:3]:
-            report.problems.append(f"{rel}: sample {sids[i]} {name} has {_lengths(table[name])[i]} values, expected {want[i]}")
+            report.problems.append(
+                f"{rel}: sample {sids[i]} {name} has {_lengths(table[name])[i]} values, expected {want[i]}"
+            )
     _check_hidden(rel, table, meta, sids, {"aux_hidden_states": (n, w), "last_hidden_state": (last_rows, h)}, report)
     report.shards += 1
     report.samples += table.num_rows
@@ -102,7 +106,11 @@ def verify(output: str) -> Report:
     if manifest is None:
         report.problems.append("no manifest.json")
         return report
-    expected = {**manifest["data_settings"], "aux_layers": manifest["aux_layers"], "hidden_size": manifest["hidden_size"]}
+    expected = {
+        **manifest["data_settings"],
+        "aux_layers": manifest["aux_layers"],
+        "hidden_size": manifest["hidden_size"],
+    }
     ids: Counter = Counter()
     # Shards are independent and decompression releases the GIL: a few at once keep the disk and the
     # cores busy (a 25 GB output took ~2 minutes one shard at a time).
@@ -125,8 +133,15 @@ def verify(output: str) -> Report:
         report.problems.append(f"{len(both)} sample_id(s) both in a shard and in errors/, e.g. {both[:3]}")
     totals = manifest.get("totals") or {}
     if manifest.get("status") != "complete":
-        report.problems.append(f"manifest status is {manifest.get('status')!r}: the last run did not finish; rerun to resume")
-    for key, have in (("samples_ok", report.samples), ("tokens", report.tokens), ("bytes", report.bytes), ("shards", report.shards)):
+        report.problems.append(
+            f"manifest status is {manifest.get('status')!r}: the last run did not finish; rerun to resume"
+        )
+    for key, have in (
+        ("samples_ok", report.samples),
+        ("tokens", report.tokens),
+        ("bytes", report.bytes),
+        ("shards", report.shards),
+    ):
         if totals.get(key) != have:
             report.problems.append(f"manifest totals.{key}={totals.get(key)} but the shards hold {have}")
     # One input row gives one sample, or one per assistant turn under extract.turns=each/auto.

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests_support import harvest_command
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _harvest(input_path, out, *extra) -> list[str]:
-    return harvest_command(input_path, out, "--set", "extract.batch_size=3", "--set", "engine.batches_per_actor=1", *extra)
+    return harvest_command(
+        input_path, out, "--set", "extract.batch_size=3", "--set", "engine.batches_per_actor=1", *extra
+    )
 
 
 def _descendants(pid: int, needle: str):
@@ -44,7 +47,12 @@ def _descendants(pid: int, needle: str):
 
 
 def _error_rows(out: Path) -> list[dict]:
-    return [json.loads(line) for f in (out / "errors").glob("part-*.jsonl") for line in f.read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for f in (out / "errors").glob("part-*.jsonl")
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def test_actor_killed_and_failed_captures_then_retry_errors(ray_session, e2e_input, tmp_path, capsys):
@@ -59,7 +67,9 @@ def test_actor_killed_and_failed_captures_then_retry_errors(ray_session, e2e_inp
     out = tmp_path / "out"
     env = dict(os.environ, RAY_ADDRESS="", HIDDEN_HARVEST_FAULTS="missing:0.3")
     args = ["--set", "extract.retries=0", "--set", "engine.dump_timeout_s=1"]
-    proc = subprocess.Popen(_harvest(e2e_input, out, *args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        _harvest(e2e_input, out, *args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     checked_server = refused = killed = False
     dump_dir = None
     deadline = time.monotonic() + 900
@@ -69,12 +79,16 @@ def test_actor_killed_and_failed_captures_then_retry_errors(ray_session, e2e_inp
             if not checked_server:
                 for server in _descendants(proc.pid, "sglang.launch_server"):
                     group = [server] + server.children(recursive=True)
-                    listening = [c.laddr for p in group for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+                    listening = [
+                        c.laddr for p in group for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+                    ]
                     if not listening:
                         continue
                     assert {a.ip for a in listening} <= {"127.0.0.1", "::1"}, listening
                     dump_dir = Path(server.environ()["HIDDEN_HARVEST_DUMP_DIR"])
-                    assert stat.S_IMODE(dump_dir.stat().st_mode) == 0o700 and dump_dir.name.startswith("hidden-harvest-")
+                    assert stat.S_IMODE(dump_dir.stat().st_mode) == 0o700 and dump_dir.name.startswith(
+                        "hidden-harvest-"
+                    )
                     checked_server = True
             if not list((out / "shards").glob("part-*.parquet")):
                 continue
@@ -100,7 +114,9 @@ def test_actor_killed_and_failed_captures_then_retry_errors(ray_session, e2e_inp
     assert totals["accounted"] == totals["input_rows"] == len(rows)
     first_errors = _error_rows(out)
     by_stage = collections.Counter(e["stage"] for e in first_errors)
-    assert by_stage["extract"] >= 1 and all("no hidden-state dump" in e["reason"] for e in first_errors if e["stage"] == "extract")
+    assert by_stage["extract"] >= 1 and all(
+        "no hidden-state dump" in e["reason"] for e in first_errors if e["stage"] == "extract"
+    )
     ids = [sid for t in read_token_columns(str(out)) for sid in t["sample_id"].to_pylist()]
     assert len(ids) == len(set(ids)) == totals["samples_ok"]
     assert not set(ids) & {e["sample_id"] for e in first_errors}
@@ -111,8 +127,14 @@ def test_actor_killed_and_failed_captures_then_retry_errors(ray_session, e2e_inp
     assert not dump_dir.exists()
 
     # --retry-errors, no faults now: exactly the extract errors run again; parse/tokenize errors stay.
-    rerun = subprocess.run(_harvest(e2e_input, out, "--retry-errors"), cwd=REPO, env=dict(os.environ, RAY_ADDRESS=""),
-                           capture_output=True, text=True, timeout=900)  # fmt: skip
+    rerun = subprocess.run(
+        _harvest(e2e_input, out, "--retry-errors"),
+        cwd=REPO,
+        env=dict(os.environ, RAY_ADDRESS=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"{by_stage['extract']} samples with a transient (engine/extract) error will run again" in rerun.stderr
     after = read_manifest(Store(str(out)))["totals"]
@@ -120,7 +142,8 @@ def test_actor_killed_and_failed_captures_then_retry_errors(ray_session, e2e_inp
     assert after["errors"] == totals["errors"] - by_stage["extract"]
     assert after["accounted"] == after["input_rows"] == len(rows)
     assert collections.Counter(e["stage"] for e in _error_rows(out)) == collections.Counter(
-        {k: v for k, v in by_stage.items() if k != "extract"})
+        {k: v for k, v in by_stage.items() if k != "extract"}
+    )
     ids = [sid for t in read_token_columns(str(out)) for sid in t["sample_id"].to_pylist()]
     assert len(ids) == len(set(ids)) == after["samples_ok"]
     report = verify(str(out))

@@ -5,7 +5,6 @@ never reach a path. One real job (CLI entry point, real Ray + SGLang CPU server)
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,22 @@ def corpus_run(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     corpus = write_corpus(root / "in")
     out = root / "out"
-    argv = ["run", str(REPO / "conf" / "default.yaml"), "--set", f"input.path={corpus.pattern}", "--set", f"output.path={out}",
-            "--set", f"extract.max_tokens={MAX_TOKENS}", "--set", f"input.max_line_bytes={LINE_LIMIT_BYTES}",
-            "--set", "extract.batch_size=8", "--set", "engine.max_in_flight=4"]  # fmt: skip
+    argv = [
+        "run",
+        str(REPO / "conf" / "default.yaml"),
+        "--set",
+        f"input.path={corpus.pattern}",
+        "--set",
+        f"output.path={out}",
+        "--set",
+        f"extract.max_tokens={MAX_TOKENS}",
+        "--set",
+        f"input.max_line_bytes={LINE_LIMIT_BYTES}",
+        "--set",
+        "extract.batch_size=8",
+        "--set",
+        "engine.max_in_flight=4",
+    ]
     return corpus, root, out, argv, main
 
 
@@ -58,7 +70,10 @@ def test_bad_rows_become_error_rows_and_good_rows_are_extracted(corpus_run, caps
     n_filtered = sum(e.status == "filtered" for e in corpus.expected.values())
     assert totals["input_rows"] == corpus.input_rows
     assert (totals["samples_ok"], totals["errors"], totals["filtered"]) == (
-        corpus.good_rows, len(corpus.expected) - n_filtered, n_filtered)
+        corpus.good_rows,
+        len(corpus.expected) - n_filtered,
+        n_filtered,
+    )
     assert totals["accounted"] == totals["input_rows"]
     assert f"= {corpus.input_rows} of {corpus.input_rows} input rows" in stdout
     assert verify(str(out)).ok
@@ -73,8 +88,12 @@ def test_bad_rows_become_error_rows_and_good_rows_are_extracted(corpus_run, caps
 def test_an_input_of_only_empty_files_is_a_run_of_nothing(corpus_run, capsys):
     corpus, root, _, argv, main = corpus_run
     out = root / "empty-out"
-    argv = [a.replace(corpus.pattern, str(Path(corpus.pattern).parent / "d-empty.jsonl")).replace(str(root / "out"), str(out))
-            for a in argv]
+    argv = [
+        a.replace(corpus.pattern, str(Path(corpus.pattern).parent / "d-empty.jsonl")).replace(
+            str(root / "out"), str(out)
+        )
+        for a in argv
+    ]
     assert main(argv) == 0
     assert "0 ok + 0 errors + 0 filtered = 0 of 0 input rows" in capsys.readouterr().out
     assert not list((out / "shards").glob("*.parquet")) if (out / "shards").exists() else True
@@ -89,7 +108,13 @@ def test_an_input_of_only_empty_files_is_a_run_of_nothing(corpus_run, capsys):
         (["output.path=OUT_UNDER_A_FILE"], "cannot be written: NotADirectoryError"),
         (["output.path=s3://hh-no-such-bucket/out"], "output.path s3://hh-no-such-bucket/out cannot be written"),
     ],
-    ids=["missing-model", "aux-layer-out-of-range", "tp-over-node-gpus", "unwritable-local-output", "unreachable-s3-output"],
+    ids=[
+        "missing-model",
+        "aux-layer-out-of-range",
+        "tp-over-node-gpus",
+        "unwritable-local-output",
+        "unreachable-s3-output",
+    ],
 )
 def test_a_run_that_cannot_work_is_refused_before_extraction_in_one_line(corpus_run, capsys, sets, message):
     corpus, root, _, argv, main = corpus_run

@@ -28,7 +28,9 @@ def test_every_input_row_is_accounted_for_once(harvest_run, e2e_input):
     assert t["errors"] == 2  # the two bad- rows
     ids = [s["sample_id"] for s in open_shards(str(out), as_torch=False)]
     assert len(ids) == len(set(ids)) == t["samples_ok"]
-    errors = [json.loads(line) for f in sorted((out / "errors").glob("part-*.jsonl")) for line in f.read_text().splitlines()]
+    errors = [
+        json.loads(line) for f in sorted((out / "errors").glob("part-*.jsonl")) for line in f.read_text().splitlines()
+    ]
     assert sorted(e["sample_id"] for e in errors) == sorted(
         json.loads(r)["id"] for r in rows if json.loads(r).get("id", "").startswith("bad-")
     )
@@ -64,7 +66,10 @@ def test_shapes_dtypes_and_finite_values(harvest_run):
         assert s["aux_hidden_states"].shape == (t, k * h) and s["aux_hidden_states"].dtype == torch.bfloat16
         assert s["last_hidden_state"].shape == (t, h) and s["last_hidden_state"].dtype == torch.bfloat16
         assert len(s["input_ids"]) == len(s["loss_mask"]) == t
-        assert torch.isfinite(s["aux_hidden_states"].float()).all() and torch.isfinite(s["last_hidden_state"].float()).all()
+        assert (
+            torch.isfinite(s["aux_hidden_states"].float()).all()
+            and torch.isfinite(s["last_hidden_state"].float()).all()
+        )
         n += 1
     assert n >= 16
 
@@ -90,19 +95,24 @@ def _cosines_against_transformers(out, model_dir, pick):
 
 
 def test_float32_server_matches_transformers_per_token(harvest_run_fp32, model_dir):
-    """With the server in float32 only bf16 storage rounding remains: every token of every layer agrees."""
+    """With the server in float32 only bf16 storage rounding remains: every token of every layer agrees.
+    (A fixed bound holds here: rounding to bf16 moves each value by at most 2^-9 of itself, so the cosine
+    of a rounded token stays above 0.99999; float32 kernels differ by ~1e-6.)"""
     out, _ = harvest_run_fp32
     for sid, layer, cos in _cosines_against_transformers(out, model_dir, lambda s: s):
         assert cos.min().item() >= 0.999, f"{sid} layer {layer}: min per-token cosine {cos.min():.5f}"
 
 
-def test_default_bf16_run_matches_transformers_within_bf16_noise(harvest_run, model_dir):
-    """The default bf16 server: HF's own bf16 forward is itself ~0.997 min per token against fp32, so the
-    bound here is on the mean, with a floor on the worst token that still catches a wrong row or layer."""
+def test_default_bf16_run_matches_transformers_within_bf16_noise(harvest_run, references):
+    """The default bf16 server, every sample and layer: within bf16 noise of a float32 transformers forward,
+    judged by how far a bf16 forward of the same tokens is from it (single tokens of a healthy run reach
+    cosine 0.99 and below, so no fixed cosine bound holds; the rule's own test shows what it still catches)."""
     out, _ = harvest_run
-    for sid, layer, cos in _cosines_against_transformers(out, model_dir, lambda s: [s[len(s) // 2], s[-1]]):
-        assert cos.mean().item() >= 0.9995, f"{sid} layer {layer}: mean per-token cosine {cos.mean():.5f}"
-        assert cos.min().item() >= 0.99, f"{sid} layer {layer}: min per-token cosine {cos.min():.5f}"
+    layers = read_manifest(Store(str(out)))["aux_layers"]
+    samples = list(open_shards(str(out), as_torch=False))
+    assert len(samples) >= 16
+    for s in samples:
+        references.check(s["sample_id"], layers, s["input_ids"], s["aux_hidden_states"], s["last_hidden_state"])
 
 
 def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_session):
@@ -116,7 +126,9 @@ def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_sessio
     rows = ds.take_all()
     assert len(rows) == summary["totals"]["samples_ok"]
     assert sum(r["num_tokens"] for r in rows) == summary["totals"]["tokens"]
-    df = ray.data.read_parquet(str(out / "shards"), columns=["sample_id", "num_tokens", "last_hidden_state"]).to_pandas()
+    df = ray.data.read_parquet(
+        str(out / "shards"), columns=["sample_id", "num_tokens", "last_hidden_state"]
+    ).to_pandas()
     meta = read_manifest(Store(str(out)))
     h, value, t = meta["hidden_size"], df["last_hidden_state"][0], int(df["num_tokens"][0])
     lo = np.frombuffer(value, np.uint8, h * t)  # the README's decoder, in full
@@ -136,6 +148,8 @@ def test_manifest_records_the_turns_policy_and_what_the_template_left_out(harves
     assert conv["tokens_chosen"] == conv["tokens_full"] < conv["tokens_each"]
     assert summary["totals"]["samples"] == summary["totals"]["input_rows"]
     # Its template renders neither reasoning nor tool calls: the samples that carry them say so.
-    carrying = sum('"reasoning_content"' in line or '"tool_calls"' in line for line in e2e_input.read_text().splitlines())
+    carrying = sum(
+        '"reasoning_content"' in line or '"tool_calls"' in line for line in e2e_input.read_text().splitlines()
+    )
     assert carrying > 0 and sum(conv["unrendered"].values()) >= carrying
     assert set(conv["unrendered"]) <= {"reasoning_content", "tool_calls", "tools"}

@@ -47,7 +47,9 @@ def _namespaces_work() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(not _namespaces_work(), reason="needs unprivileged user + mount namespaces (unshare) for a real tmpfs")
+@pytest.mark.skipif(
+    not _namespaces_work(), reason="needs unprivileged user + mount namespaces (unshare) for a real tmpfs"
+)
 def test_disk_full_during_a_shard_write_then_rerun_after_freeing_space(e2e_input, tmp_path):
     from pipeline.format.shards import shard_name
     from pipeline.tools.verify import verify
@@ -55,16 +57,31 @@ def test_disk_full_during_a_shard_write_then_rerun_after_freeing_space(e2e_input
     disk, save = tmp_path / "disk", tmp_path / "save"
     disk.mkdir()
     save.mkdir()
-    env = dict(os.environ, RAY_ADDRESS="", DISK=str(disk), SAVE=str(save), PY=sys.executable, INPUT=str(e2e_input),
-               CONF=str(REPO / "conf" / "default.yaml"))  # fmt: skip
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", SCRIPT], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    env = dict(
+        os.environ,
+        RAY_ADDRESS="",
+        DISK=str(disk),
+        SAVE=str(save),
+        PY=sys.executable,
+        INPUT=str(e2e_input),
+        CONF=str(REPO / "conf" / "default.yaml"),
+    )
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", SCRIPT],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run1 = (save / "run1.log").read_text()
     assert (save / "rc1").read_text().strip() == "1", run1[-3000:]
     assert (save / "df_full.txt").read_text().splitlines()[1].split()[3] == "0"  # the disk was full
     last = run1.strip().splitlines()[-1]
-    assert last.startswith("harvest: the run failed: OSError: [Errno 28] ") and "No space left on device" in last, run1[-3000:]
+    assert last.startswith("harvest: the run failed: OSError: [Errno 28] ") and "No space left on device" in last, run1[
+        -3000:
+    ]
     assert "free space and rerun the same command" in last
 
     # Nothing partial became visible: every committed shard is whole and holds exactly the ids its name says.

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from actors.sglang.engine import SGLangEngine
@@ -90,8 +89,12 @@ time.sleep(3600)
 def test_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
     """A starter killed by force (no teardown) leaves no server behind: the server's watchdog ends it."""
     dump_dir = tmp_path / "dumps"
-    starter = subprocess.Popen([sys.executable, "-c", _ORPHAN, str(model_dir), str(dump_dir)], stdout=subprocess.PIPE, text=True,
-                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN, str(model_dir), str(dump_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     server_pid = int(starter.stdout.readline())
     os.kill(starter.pid, signal.SIGKILL)
     starter.wait()
@@ -108,27 +111,29 @@ def test_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
     assert not dump_dir.exists()  # the watchdog removes the private dump directory too
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per-token cosine of two uint16 bf16-bit arrays [T, W]."""
-    fa = (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    fb = (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return (fa * fb).sum(1) / (np.linalg.norm(fa, axis=1) * np.linalg.norm(fb, axis=1))
-
-
-def test_prompts_longer_than_a_prefill_chunk_come_out_whole(engine, model_dir):
+def test_prompts_longer_than_a_prefill_chunk_come_out_whole(engine, model_dir, references):
     """Chunked prefill stays on: the hook assembles the chunks by request id, mixed with short prompts in
-    the same batches; the result matches the unchunked capture of the module's engine."""
-    requests = {"long-a": _ids(700, 11), "short-a": _ids(9, 12), "long-b": _ids(333, 13), "short-b": _ids(64, 14), "long-c": _ids(130, 15)}
-    with SGLangEngine({"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "chunked_prefill_size": 128}, 4, 300) as chunked:
+    the same batches; both it and the unchunked capture of the module's engine are within bf16 noise of a
+    float32 forward, and the two agree closely (the bit-identical share is printed)."""
+    requests = {
+        "long-a": _ids(700, 11),
+        "short-a": _ids(9, 12),
+        "long-b": _ids(333, 13),
+        "short-b": _ids(64, 14),
+        "long-c": _ids(130, 15),
+    }
+    with SGLangEngine(
+        {"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "chunked_prefill_size": 128}, 4, 300
+    ) as chunked:
         got = chunked.capture(list(requests.items()))
     want = engine.capture(list(requests.items()))  # chunk size 8192: every prompt in one pass
     same = total = 0
     for key, ids in requests.items():
         assert got[key].error is None, got[key].error
         assert check_capture(got[key].capture, ids, 3 * 576, 576) is None  # count, hash, prefix 0, shapes, finite
+        references.check(f"{key} chunked", (2, 15, 27), ids, *got[key].capture.bits())
+        references.check(f"{key} unchunked", (2, 15, 27), ids, *want[key].capture.bits())
         for g, w in zip(got[key].capture.bits(), want[key].capture.bits()):
-            cos = _cosines(g, w)
-            assert cos.min() > 0.999 and cos.mean() > 0.9999, (key, cos.min(), cos.mean())
             same, total = same + int((g == w).sum()), total + g.size
     # Not bit for bit: attention over a cached prefix adds in another order than over the whole prompt.
     print(f"chunked vs unchunked: {same / total:.4%} of bf16 values bit-identical")

@@ -33,7 +33,10 @@ def test_actor_metrics_are_exported(ray_session, harvest_run):
     text = ""
     while time.monotonic() < deadline:
         text = _scrape(ray_session)
-        if _value(text, "ray_harvest_samples_total", status="ok") >= p.ok and "ray_harvest_request_latency_seconds" in text:
+        if (
+            _value(text, "ray_harvest_samples_total", status="ok") >= p.ok
+            and "ray_harvest_request_latency_seconds" in text
+        ):
             break
         time.sleep(3)
     assert _value(text, "ray_harvest_samples_total", status="ok") >= p.ok > 0, text[:2000]

@@ -30,13 +30,25 @@ def ray_head(tmp_path):
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
     temp = Path("/tmp") / f"hh-ray-{os.getpid()}"  # Ray's socket paths must stay short
     cmd = [
-        str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-        f"--metrics-export-port={metrics}", f"--node-manager-port={mgr}", f"--temp-dir={temp}",
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--ray-client-server-port={client}",
+        f"--metrics-export-port={metrics}",
+        f"--node-manager-port={mgr}",
+        f"--temp-dir={temp}",
         # The agent's default HTTP port (52365) may be held by another Ray on this machine (the test session's).
-        f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
-        "--num-cpus=2", "--object-store-memory=300000000", "--include-dashboard=true",
-    ]  # fmt: skip
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        "--num-cpus=2",
+        "--object-store-memory=300000000",
+        "--include-dashboard=true",
+    ]
     head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     try:
@@ -66,10 +78,24 @@ def test_ray_job_submit_runs_the_default_job(ray_head, e2e_input, tmp_path):
     address, env = ray_head
     out = tmp_path / "out"
     cmd = [
-        str(BIN / "ray"), "job", "submit", f"--address={address}", f"--working-dir={REPO}", "--",
-        "harvest", "run", "conf/default.yaml", "--set", f"input.path={e2e_input}", "--set", f"output.path={out}",
-        "--set", "extract.batch_size=8", "--set", "progress.interval_s=2",
-    ]  # fmt: skip
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        f"--address={address}",
+        f"--working-dir={REPO}",
+        "--",
+        "harvest",
+        "run",
+        "conf/default.yaml",
+        "--set",
+        f"input.path={e2e_input}",
+        "--set",
+        f"output.path={out}",
+        "--set",
+        "extract.batch_size=8",
+        "--set",
+        "progress.interval_s=2",
+    ]
     # The job API answers before the head's agent has registered; Ray then says to try again later.
     for _ in range(60):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from tests_support import harvest_command
 
 from pipeline.format.manifest import SettingsMismatch, read_manifest
 from pipeline.format.shards import open_shards
 from pipeline.format.storage import Store
 from pipeline.tools.verify import verify
+from tests_support import harvest_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,9 @@ def _harvest(input_path, out, *sets) -> list[str]:
 def test_sigkill_then_rerun_is_exactly_once(e2e_input, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, RAY_ADDRESS="")  # its own local Ray, separate from the test session's
-    proc = subprocess.Popen(_harvest(e2e_input, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        _harvest(e2e_input, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and proc.poll() is None:
         if len(list((out / "shards").glob("part-*.parquet"))) >= 2:

@@ -25,9 +25,27 @@ SECRETS = ("hh-test-secret", "hh-test-key")
 
 
 def _harvest(src, out) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "run", str(REPO / "conf" / "default.yaml"), "--set", f"input.path={src}",
-            "--set", f"output.path={out}", "--set", "extract.batch_size=3", "--set", "engine.max_in_flight=4",
-            "--set", "engine.batches_per_actor=1", "--set", "ray.num_cpus=2", "--set", "ray.object_store_memory_mb=300"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        str(REPO / "conf" / "default.yaml"),
+        "--set",
+        f"input.path={src}",
+        "--set",
+        f"output.path={out}",
+        "--set",
+        "extract.batch_size=3",
+        "--set",
+        "engine.max_in_flight=4",
+        "--set",
+        "engine.batches_per_actor=1",
+        "--set",
+        "ray.num_cpus=2",
+        "--set",
+        "ray.object_store_memory_mb=300",
+    ]
 
 
 def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(s3_chaos, e2e_input, tmp_path):
@@ -71,7 +89,9 @@ def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(s3_chaos, e2
     ended_at = time.monotonic()
     assert first.returncode == 1, first.stdout[-2000:] + first.stderr[-3000:]
     err = first.stderr.strip().splitlines()[-1]  # above it: Ray's own log lines
-    assert err.startswith("harvest: the run failed: EndpointConnectionError: Could not connect to the endpoint URL"), err
+    assert err.startswith("harvest: the run failed: EndpointConnectionError: Could not connect to the endpoint URL"), (
+        err
+    )
     assert "rerun the same command" in err
     assert proxy.errors_served > 0  # retries absorbed these: shards were committed while they happened
     assert vanished_at and ended_at - vanished_at[0] < 240, "retries must be bounded"

@@ -23,8 +23,17 @@ def two_actor_run(ray_session, e2e_input, make_config, tmp_path_factory):
     from pipeline.driver.job import run
 
     out = tmp_path_factory.mktemp("two-actors") / "out"
-    cfg = make_config(e2e_input, out, **{"engine.name": "hf", "engine.num_actors": 2, "engine.cpus_per_actor": 0.5,
-                                        "engine.cpu_threads": 1, "extract.batch_size": 2})  # fmt: skip
+    cfg = make_config(
+        e2e_input,
+        out,
+        **{
+            "engine.name": "hf",
+            "engine.num_actors": 2,
+            "engine.cpus_per_actor": 0.5,
+            "engine.cpu_threads": 1,
+            "extract.batch_size": 2,
+        },
+    )
     return out, run(cfg)
 
 
@@ -44,8 +53,17 @@ def test_two_actors_commit_every_sample_exactly_once(two_actor_run, e2e_input):
     t = summary["totals"]
     ids = [s["sample_id"] for s in open_shards(str(out), as_torch=False)]
     assert len(ids) == len(set(ids)) == t["samples_ok"] > 0
-    errors = [json.loads(line)["sample_id"] for f in (out / "errors").glob("part-*.jsonl") for line in f.read_text().splitlines()]
+    errors = [
+        json.loads(line)["sample_id"]
+        for f in (out / "errors").glob("part-*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
     assert not set(errors) & set(ids)
-    assert t["accounted"] == t["samples"] == t["input_rows"] == len([line for line in e2e_input.read_text().splitlines() if line.strip()])
+    assert (
+        t["accounted"]
+        == t["samples"]
+        == t["input_rows"]
+        == len([line for line in e2e_input.read_text().splitlines() if line.strip()])
+    )
     report = verify(str(out))
     assert report.ok, report.problems

@@ -22,8 +22,12 @@ pytestmark = pytest.mark.slow
 def _agentic_rows(sample_path, n=3):
     rows = [json.loads(line) for line in sample_path.read_text().splitlines() if line.strip()]
     tools = [r for r in rows if "tools" in r][:1]
-    reasoning = [r for r in rows if any("reasoning_content" in m for m in r.get("messages", [])) and "tools" not in r][:1]
-    multi = [r for r in rows if sum(m.get("role") == "assistant" for m in r.get("messages", [])) == 2 and r not in reasoning]
+    reasoning = [r for r in rows if any("reasoning_content" in m for m in r.get("messages", [])) and "tools" not in r][
+        :1
+    ]
+    multi = [
+        r for r in rows if sum(m.get("role") == "assistant" for m in r.get("messages", [])) == 2 and r not in reasoning
+    ]
     return tools + reasoning + multi[: n - 2]
 
 

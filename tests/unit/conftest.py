@@ -19,6 +19,27 @@ def chat_tokenizer(model_dir):
     return ChatTokenizer(model_dir)
 
 
+SAMPLE = REPO_ROOT / "conf" / "data" / "sample_conversations.jsonl"
+
+
+@pytest.fixture(scope="session")
+def text_ids(model_dir) -> list[list[int]]:
+    """Real conversations of mixed lengths (the job's kind of input; random tokens are noisy against fp32)."""
+    from pipeline.intake.tokenize import Tokenize
+
+    tok = Tokenize(str(model_dir), max_tokens=2048, overlength="reject")
+    lines = [line for line in SAMPLE.read_text().splitlines() if '"messages"' in line and '"bad-' not in line]
+    out = []
+    for i, line in enumerate(lines):
+        for r in tok.tokenize_line(f"x:{i}", line):
+            if r["status"] == "ok" and 40 <= len(r["input_ids"]) <= 400:
+                out.append(r["input_ids"])
+        if len(out) == 5:
+            break
+    assert len({len(x) for x in out}) == 5
+    return out
+
+
 SITEDIR = REPO_ROOT / "patches" / "sglang" / "v0_5_23" / "sitedir"
 
 
@@ -27,7 +48,6 @@ def hook_modules():
     """The server-side modules (they import no sglang at module level), as the server imports them."""
     import importlib
     import sys
-
     from types import SimpleNamespace
 
     sys.path.insert(0, str(SITEDIR))  # sitecustomize only runs at interpreter start: adding the dir is inert

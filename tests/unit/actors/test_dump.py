@@ -121,8 +121,14 @@ def test_prefill_chunks_are_assembled_per_request(publish, tmp_path):
     other = torch.randn(2, 4, dtype=torch.bfloat16)
     rid, whole = "hh-x-1.t7", "hh-x-2.t2"
     # chunk 1 of rid beside a whole short request; chunk 2 alone
-    publish([rid, whole], torch.cat([ids[:3], ids[:2]]), torch.cat([hidden[:3], other]),
-            [torch.cat([a[:3], other]) for a in aux], [3, 2], [0, 0])  # fmt: skip
+    publish(
+        [rid, whole],
+        torch.cat([ids[:3], ids[:2]]),
+        torch.cat([hidden[:3], other]),
+        [torch.cat([a[:3], other]) for a in aux],
+        [3, 2],
+        [0, 0],
+    )
     assert sorted(os.listdir(tmp_path)) == [f"{whole}.hhd"]  # the long one is not published half done
     publish([rid], ids[3:], hidden[3:], [a[3:] for a in aux], [4], [3])
     cap = read_dump(dump_path(tmp_path, rid))

@@ -22,7 +22,9 @@ def test_each_engine_gets_a_private_unique_dump_dir_removed_on_close(tmp_path, m
 
 
 def test_dump_dirs_of_processes_that_are_gone_are_removed_on_the_next_start(tmp_path):
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
     orphan = tmp_path / f"hidden-harvest-{dead}-abc123"
     orphan.mkdir()
     (orphan / "hh-x.hhd").write_bytes(b"states")

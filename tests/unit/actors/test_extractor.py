@@ -9,14 +9,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from actors.dump import Capture
 import actors.extractor as extractor_module
-from actors.extractor import HiddenStateExtractor, _split_exact
+from actors.dump import Capture
 from actors.engine import RequestResult
+from actors.extractor import HiddenStateExtractor, _split_exact
 from pipeline.format.codec import to_planes
-from pipeline.format.shards import ShardLayout, open_shards
+from pipeline.format.shards import ShardLayout, open_shards, shard_name
 from pipeline.format.shards import ids_digest as batch_digest
-from pipeline.format.shards import shard_name
 
 
 @pytest.mark.parametrize(
@@ -104,15 +103,34 @@ class StandInEngine:
         with self.lock:
             del self.in_flight[key]
         n = len(ids)
-        header = {"rid": key, "num_tokens": n, "prefix_len": 0, "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(),
-                  "nonfinite": 1 if key in self.nan_keys else 0, "aux_shape": [n, LAYOUT.aux_width], "last_shape": [n, 8]}  # fmt: skip
-        body = np.concatenate([to_planes(fake_bits(ids, LAYOUT.aux_width)).ravel(), to_planes(fake_bits(ids[::-1], 8)).ravel()])
+        header = {
+            "rid": key,
+            "num_tokens": n,
+            "prefix_len": 0,
+            "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(),
+            "nonfinite": 1 if key in self.nan_keys else 0,
+            "aux_shape": [n, LAYOUT.aux_width],
+            "last_shape": [n, 8],
+        }
+        body = np.concatenate(
+            [to_planes(fake_bits(ids, LAYOUT.aux_width)).ravel(), to_planes(fake_bits(ids[::-1], 8)).ravel()]
+        )
         return RequestResult(key, Capture(header, None, 0, body), None, self.delay_s)
 
 
 def batch(tag: str, n: int) -> pa.Table:
-    rows = [{"sample_id": f"{tag}-{i}", "source": f"in.jsonl:{i}", "input_ids": list(range(i + 1, i + 4 + i % 5)),
-             "loss_mask": [1] * (3 + i % 5), "status": "ok", "stage": "", "reason": ""} for i in range(n)]  # fmt: skip
+    rows = [
+        {
+            "sample_id": f"{tag}-{i}",
+            "source": f"in.jsonl:{i}",
+            "input_ids": list(range(i + 1, i + 4 + i % 5)),
+            "loss_mask": [1] * (3 + i % 5),
+            "status": "ok",
+            "stage": "",
+            "reason": "",
+        }
+        for i in range(n)
+    ]
     return pa.Table.from_pylist(rows)
 
 
@@ -134,7 +152,7 @@ def test_two_batches_share_the_window_and_commit_once_each(tmp_path):
     assert {r["status"] for r in out} == {"ok"} and len({r["shard"] for r in out}) == 2
     stored = {s["sample_id"]: s for s in open_shards(str(tmp_path), as_torch=False)}
     assert len(stored) == 18
-    for sid, s in stored.items():
+    for s in stored.values():
         ids = s["input_ids"].tolist()
         np.testing.assert_array_equal(s["aux_hidden_states"], fake_bits(ids, LAYOUT.aux_width))
         np.testing.assert_array_equal(s["last_hidden_state"], fake_bits(ids[::-1], 8))

@@ -149,7 +149,11 @@ def test_the_rendezvous_store_binds_loopback_only(hook_modules):
         store = rdzv._create_c10d_store("127.0.0.1", port, 0, 1, datetime.timedelta(seconds=10))
         store.set("k", "v")
         assert store.get("k") == b"v"
-        listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process().net_connections("inet")
+            if c.status == psutil.CONN_LISTEN
+        }
         assert ("127.0.0.1", port) in listening and not [a for a in listening if a[1] == port and a[0] != "127.0.0.1"]
         del store
     finally:

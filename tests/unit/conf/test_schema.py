@@ -168,9 +168,15 @@ def test_each_engine_has_its_own_knobs_and_defaults(default_yaml):
 
 
 def test_a_knob_of_another_engine_is_refused_with_its_owner(default_yaml):
-    with pytest.raises(ConfigError, match=r"engine\.max_in_flight: not a setting of engine.name=hf \(it belongs to engine.name=sglang\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine\.max_in_flight: not a setting of engine.name=hf \(it belongs to engine.name=sglang\)",
+    ):
         load_config(default_yaml, ["engine.name=hf", "engine.max_in_flight=4"])
-    with pytest.raises(ConfigError, match=r"engine\.max_batch_tokens: not a setting of engine.name=sglang \(it belongs to engine.name=hf\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine\.max_batch_tokens: not a setting of engine.name=sglang \(it belongs to engine.name=hf\)",
+    ):
         load_config(default_yaml, ["engine.max_batch_tokens=4096"])
     with pytest.raises(ConfigError, match=r"engine\.name must be one of \['hf', 'sglang'\]"):
         load_config(default_yaml, ["engine.name=vllm"])

@@ -4,8 +4,8 @@ import pyarrow as pa
 import pytest
 from bad_input_corpus import LINE_LIMIT_BYTES, MAX_TOKENS, write_corpus
 
-from pipeline.intake.stage import TokenizeLines
 from pipeline.intake.read import expand_inputs, read_lines
+from pipeline.intake.stage import TokenizeLines
 from pipeline.intake.tokenize import TOKENIZED_SCHEMA
 
 

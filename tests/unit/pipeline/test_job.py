@@ -74,7 +74,9 @@ def test_turns_policy_and_template_kwargs_are_data_settings(repo_root):
     from conf import load_config
 
     base = load_config(repo_root / "conf" / "default.yaml")
-    other = load_config(repo_root / "conf" / "default.yaml", ["extract.turns=each", "extract.template_kwargs={enable_thinking: false}"])
+    other = load_config(
+        repo_root / "conf" / "default.yaml", ["extract.turns=each", "extract.template_kwargs={enable_thinking: false}"]
+    )
     a, b = make_plan(base, 0).settings, make_plan(other, 0).settings
     assert (a["turns"], a["template_kwargs"]) == ("auto", {})
     assert (b["turns"], b["template_kwargs"]) == ("each", {"enable_thinking": False})

@@ -16,15 +16,23 @@ def store(tmp_path):
 
 
 def write_holder(store, **fields):
-    holder = {"host": socket.gethostname(), "pid": 1, "run_id": "other", "started_at": time.time() - 60,
-              "heartbeat_at": time.time(), "lease_s": 120.0} | fields  # fmt: skip
+    holder = {
+        "host": socket.gethostname(),
+        "pid": 1,
+        "run_id": "other",
+        "started_at": time.time() - 60,
+        "heartbeat_at": time.time(),
+        "lease_s": 120.0,
+    } | fields
     store.write_bytes(LOCK, json.dumps(holder).encode())
     return holder
 
 
 def test_a_second_run_is_refused_with_the_holder_named_and_may_start_after_release(store):
     first = RunLock(store).acquire()
-    with pytest.raises(OutputLocked, match=rf"in use by another run: pid \d+ on {socket.gethostname()} \(run {first.run_id}"):
+    with pytest.raises(
+        OutputLocked, match=rf"in use by another run: pid \d+ on {socket.gethostname()} \(run {first.run_id}"
+    ):
         RunLock(store).acquire()
     first.release()
     assert not store.exists(LOCK)

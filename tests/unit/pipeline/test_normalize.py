@@ -20,7 +20,11 @@ def test_messages_row():
 def test_messages_keep_every_field_a_template_may_read():
     msgs = [
         {"role": "user", "content": "weather?", "name": "ann"},
-        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "22 C", "tool_call_id": "c1", "name": "w"},
         {"role": "function", "content": "ok", "name": "w"},
         {"role": "assistant", "content": "Warm.", "weight": 1},
@@ -30,13 +34,19 @@ def test_messages_keep_every_field_a_template_may_read():
 
 @pytest.mark.parametrize("alias", ["reasoning_content", "reasoning", "thinking"])
 def test_reasoning_aliases_fold_into_reasoning_content(alias):
-    s = parse_line(line({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", alias: "hmm"}]}))
+    s = parse_line(
+        line({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", alias: "hmm"}]})
+    )
     assert s.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "hmm"}
 
 
 def test_same_reasoning_under_two_aliases_is_one_field():
     m = {"role": "assistant", "content": "a", "reasoning": "r", "reasoning_content": "r"}
-    assert parse_line(line({"messages": [m]})).messages[0] == {"role": "assistant", "content": "a", "reasoning_content": "r"}
+    assert parse_line(line({"messages": [m]})).messages[0] == {
+        "role": "assistant",
+        "content": "a",
+        "reasoning_content": "r",
+    }
 
 
 def test_row_tools_list_or_json_string():
@@ -53,8 +63,12 @@ def test_tools_change_the_derived_id_and_plain_rows_keep_theirs():
 
 
 def test_sharegpt_tool_speakers_and_extra_fields():
-    convs = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "reasoning": "r"},
-             {"from": "observation", "value": "o"}, {"from": "gpt", "value": "b"}]  # fmt: skip
+    convs = [
+        {"from": "human", "value": "q"},
+        {"from": "gpt", "value": "a", "reasoning": "r"},
+        {"from": "observation", "value": "o"},
+        {"from": "gpt", "value": "b"},
+    ]
     s = parse_line(line({"conversations": convs}))
     assert [m["role"] for m in s.messages] == ["user", "assistant", "tool", "assistant"]
     assert s.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "r"}
@@ -146,13 +160,25 @@ def test_content_id_is_key_order_independent():
         (line({"input_ids": [1, "2"]}), "input_ids` must be a non-empty list of integers"),
         (line({"text": ""}), "text` must be a non-empty string"),
         (line({"id": 1.5, "text": "t"}), "`id` must be a string or an integer"),
-        (line({"prompt": "p", "completion": "c"}), r"none of messages, conversations, input_ids, text \(keys: \['completion', 'prompt'\]\)"),
+        (
+            line({"prompt": "p", "completion": "c"}),
+            r"none of messages, conversations, input_ids, text \(keys: \['completion', 'prompt'\]\)",
+        ),
         (line({"messages": [{"role": "user", "content": None}]}), r"messages\[0\]: content must be a string"),
         (line({"messages": [{"role": "assistant", "content": None}]}), r"messages\[0\]: content must be a string"),
-        (line({"messages": [{"role": "assistant", "content": "a", "reasoning": "x", "thinking": "y"}]}), "different reasoning texts"),
+        (
+            line({"messages": [{"role": "assistant", "content": "a", "reasoning": "x", "thinking": "y"}]}),
+            "different reasoning texts",
+        ),
         (line({"messages": [{"role": "assistant", "content": "a", "reasoning_content": 3}]}), "must be a string"),
-        (line({"messages": [{"role": "assistant", "content": "a", "tool_calls": {"name": "f"}}]}), "tool_calls must be a list of objects"),
-        (line({"messages": [{"role": "user", "content": "a", "tool_calls": [{"name": "f"}]}]}), "only assistant messages carry tool_calls"),
+        (
+            line({"messages": [{"role": "assistant", "content": "a", "tool_calls": {"name": "f"}}]}),
+            "tool_calls must be a list of objects",
+        ),
+        (
+            line({"messages": [{"role": "user", "content": "a", "tool_calls": [{"name": "f"}]}]}),
+            "only assistant messages carry tool_calls",
+        ),
         (line({"messages": CHAT, "tools": "not json"}), "not a JSON list of tools"),
         (line({"messages": CHAT, "tools": {"name": "f"}}), "`tools` must be a list of tool objects"),
     ],

@@ -30,7 +30,9 @@ def test_an_aux_layer_the_model_does_not_have_is_refused(tmp_path, model_dir):
 
 def test_tp_size_larger_than_any_node_is_refused(tmp_path):
     c = cfg(tmp_path, "engine.device=cuda", "engine.tp_size=4")
-    with pytest.raises(PreflightError, match="engine.tp_size=4 needs 4 GPUs on one node, but the largest node .* has 2"):
+    with pytest.raises(
+        PreflightError, match="engine.tp_size=4 needs 4 GPUs on one node, but the largest node .* has 2"
+    ):
         check_gpus(c, cuda=True, gpus_per_node=[2.0, 2.0])
     check_gpus(c, cuda=True, gpus_per_node=[2.0, 8.0])
     check_gpus(cfg(tmp_path), cuda=False, gpus_per_node=[])

@@ -46,9 +46,17 @@ def test_empty_run_is_complete(clock):
 
 @pytest.mark.parametrize(
     "n, text",
-    [(0, "0 B"), (999, "999 B"), (1000, "1.00 KB"), (1500, "1.50 KB"), (2_500_000, "2.50 MB"),
-     (3 * 10**9, "3.00 GB"), (4 * 10**12, "4.00 TB"), (5 * 10**15, "5,000.00 TB")],
-)  # fmt: skip
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1.00 KB"),
+        (1500, "1.50 KB"),
+        (2_500_000, "2.50 MB"),
+        (3 * 10**9, "3.00 GB"),
+        (4 * 10**12, "4.00 TB"),
+        (5 * 10**15, "5,000.00 TB"),
+    ],
+)
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
 
@@ -57,7 +65,9 @@ def test_human_bytes_rounds_up_into_next_unit():
     assert human_bytes(999_999) == "1.00 MB"
 
 
-@pytest.mark.parametrize("s, text", [(0, "0s"), (59.9, "59s"), (61, "1m01s"), (3600, "1h00m"), (7325, "2h02m"), (-5, "0s")])
+@pytest.mark.parametrize(
+    "s, text", [(0, "0s"), (59.9, "59s"), (61, "1m01s"), (3600, "1h00m"), (7325, "2h02m"), (-5, "0s")]
+)
 def test_human_duration(s, text):
     assert human_duration(s) == text
 
@@ -86,7 +96,10 @@ def test_rate_after_engine_start_and_per_actor_shares(clock, monkeypatch):
     p.update(["ok"], [150], [1])
     p.update_actors(["a:1"], [1002.0], ["ok"], [150], [1003.5])
     p.update_actors(["a:1"], [1002.0], ["ok"], [0], [1009.0])  # a later batch: the first one's gap stays
-    assert p.actors == {"a:1": {"samples": 3, "tokens": 250, "first_batch_after_ready_s": 1.5}, "b:2": {"samples": 1, "tokens": 50}}
+    assert p.actors == {
+        "a:1": {"samples": 3, "tokens": 250, "first_batch_after_ready_s": 1.5},
+        "b:2": {"samples": 1, "tokens": 50},
+    }
     # Engine counters are cumulative: the latest wins, whatever order batches come back in.
     later, earlier = json.dumps({"forwards": 9, "idle_s": 1.0}), json.dumps({"forwards": 4, "idle_s": 0.5})
     p.update_actors(["b:2", "b:2"], [1000.0] * 2, ["error"] * 2, [0, 0], [1011.0] * 2, [later, later])

@@ -30,7 +30,10 @@ def test_blank_lines_are_skipped_but_keep_line_numbers_and_a_bom_is_dropped(tmp_
     f = tmp_path / "in.jsonl"
     f.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n\n   \n{"text": "b"}')
     rows = rows_of(f)
-    assert [(r["source"].rsplit(":", 1)[1], r["line"]) for r in rows] == [("1", '{"text": "a"}\n'), ("4", '{"text": "b"}')]
+    assert [(r["source"].rsplit(":", 1)[1], r["line"]) for r in rows] == [
+        ("1", '{"text": "a"}\n'),
+        ("4", '{"text": "b"}'),
+    ]
 
 
 def test_an_empty_file_gives_no_rows(tmp_path):
@@ -51,4 +54,8 @@ def test_lines_split_the_same_whatever_the_read_size(tmp_path, monkeypatch, chun
     f.write_bytes(b'{"text": "a"}\n' + b"q" * 40 + b"\n\n" + b'{"text": "b"}\n' + b"r" * 50)
     rows = rows_of(f, limit=32)
     assert [(r["source"].rsplit(":", 1)[1], r["line"], r["read_error"][:13]) for r in rows] == [
-        ("1", '{"text": "a"}\n', ""), ("2", "", "line is 41 by"), ("4", '{"text": "b"}\n', ""), ("5", "", "line is 50 by")]
+        ("1", '{"text": "a"}\n', ""),
+        ("2", "", "line is 41 by"),
+        ("4", '{"text": "b"}\n', ""),
+        ("5", "", "line is 50 by"),
+    ]

@@ -214,10 +214,9 @@ def test_shard_writer_writes_row_groups_and_names_the_shard_at_commit(tmp_path):
 
 def test_shard_writer_abort_leaves_nothing(tmp_path):
     store = Store(str(tmp_path))
-    with pytest.raises(RuntimeError):
-        with ShardWriter(store, LAYOUT, row_group_bytes=1) as writer:
-            writer.add(make_samples(1)[0].encoded())
-            raise RuntimeError("the batch failed mid-way")
+    with pytest.raises(RuntimeError), ShardWriter(store, LAYOUT, row_group_bytes=1) as writer:
+        writer.add(make_samples(1)[0].encoded())
+        raise RuntimeError("the batch failed mid-way")
     assert os.listdir(store.path("shards")) == []
     assert ShardWriter(store, LAYOUT).commit() == ("", 0)  # no samples, no shard
 

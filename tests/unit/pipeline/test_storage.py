@@ -58,20 +58,18 @@ def test_open_atomic_commits_only_on_success(store, tmp_path):
 
 
 def test_failure_inside_open_atomic_leaves_nothing(store, tmp_path):
-    with pytest.raises(RuntimeError, match="boom"):
-        with store.open_atomic("out/f.bin") as f:
-            f.write(b"half a file")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), store.open_atomic("out/f.bin") as f:
+        f.write(b"half a file")
+        raise RuntimeError("boom")
     assert os.listdir(tmp_path / "out") == []
     assert not store.exists("out/f.bin")
 
 
 def test_failure_keeps_previous_committed_version(store):
     store.write_bytes("out/f.bin", b"v1")
-    with pytest.raises(RuntimeError):
-        with store.open_atomic("out/f.bin") as f:
-            f.write(b"v2 partial")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), store.open_atomic("out/f.bin") as f:
+        f.write(b"v2 partial")
+        raise RuntimeError("boom")
     assert store.read_bytes("out/f.bin") == b"v1"
     assert store.list("out") == ["out/f.bin"]
 
@@ -81,7 +79,9 @@ def test_object_store_calls_retry_with_backoff_then_fail():
     retries = s3.fs.config_kwargs["retries"]
     # botocore rewrites max_attempts (retries) into total_max_attempts (calls) in place once a client is made
     # from it, and fsspec hands out the same cached filesystem for the same options.
-    assert retries["mode"] == "standard" and retries.get("total_max_attempts", retries.get("max_attempts", 0) + 1) == 5, retries
+    assert (
+        retries["mode"] == "standard" and retries.get("total_max_attempts", retries.get("max_attempts", 0) + 1) == 5
+    ), retries
     assert s3.fs.config_kwargs["connect_timeout"] <= 10
 
 

@@ -17,8 +17,16 @@ from pipeline.intake.tokenize import ChatTokenizer, Tokenize
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 REASONING = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 2+2?"},
@@ -28,13 +36,19 @@ REASONING = [
 ]
 AGENT = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "reasoning_content": "I should call the tool.", "content": None,
-     "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {
+        "role": "assistant",
+        "reasoning_content": "I should call the tool.",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C, sunny"},
     {"role": "assistant", "reasoning_content": "The tool says 18 C.", "content": "It is 18 C and sunny in Paris."},
     {"role": "user", "content": "Thanks!"},
     {"role": "assistant", "content": "You're welcome."},
-]  # fmt: skip
+]
 PLAIN = [
     {"role": "user", "content": "Name a colour."},
     {"role": "assistant", "content": "  Blue.  "},
@@ -54,10 +68,21 @@ ASSISTANT_FIRST = [
     {"role": "user", "content": "Tell me a joke."},
     {"role": "assistant", "content": "Why did the chicken cross the road?"},
 ]
-CONVERSATIONS = {"reasoning": (REASONING, None), "agent": (AGENT, TOOLS), "plain": (PLAIN, None),
-                 "consecutive": (CONSECUTIVE, None), "assistant_first": (ASSISTANT_FIRST, None)}  # fmt: skip
-END = {"llama31": "<|im_end|>", "deepseek_v3": "<|im_end|>", "qwen3": "<|im_end|>", "kimi_k2": "<|im_end|>",
-       "harmony": ("<|endoftext|>", "<|im_end|>", "<empty_output>"), "tools_chatml": "<|im_end|>"}  # fmt: skip
+CONVERSATIONS = {
+    "reasoning": (REASONING, None),
+    "agent": (AGENT, TOOLS),
+    "plain": (PLAIN, None),
+    "consecutive": (CONSECUTIVE, None),
+    "assistant_first": (ASSISTANT_FIRST, None),
+}
+END = {
+    "llama31": "<|im_end|>",
+    "deepseek_v3": "<|im_end|>",
+    "qwen3": "<|im_end|>",
+    "kimi_k2": "<|im_end|>",
+    "harmony": ("<|endoftext|>", "<|im_end|>", "<empty_output>"),
+    "tools_chatml": "<|im_end|>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -88,39 +113,98 @@ def spans_of(ct, result) -> list[list[str]]:
 
 # What each template's model generated, turn by turn, exactly as the template renders it plus its end token.
 EXPECTED = {
-    ("qwen3", "reasoning"): ("each", [["<think>\nAdd two and two.\n</think>\n\n4<|im_end|>"],
-                                      ["<think>\n4 times 3 is 12.\n</think>\n\n12<|im_end|>"]]),
-    ("kimi_k2", "reasoning"): ("each", [["<think>Add two and two.</think>4<|im_end|>"],
-                                        ["<think>4 times 3 is 12.</think>12<|im_end|>"]]),
-    ("harmony", "reasoning"): ("each", [
-        ["<filename>analysis<file_sep>Add two and two.<|im_end|><|im_start|>assistant<filename>final<file_sep>4<|endoftext|>"],
-        ["<filename>analysis<file_sep>4 times 3 is 12.<|im_end|><|im_start|>assistant<filename>final<file_sep>12<|endoftext|>"]]),
+    ("qwen3", "reasoning"): (
+        "each",
+        [
+            ["<think>\nAdd two and two.\n</think>\n\n4<|im_end|>"],
+            ["<think>\n4 times 3 is 12.\n</think>\n\n12<|im_end|>"],
+        ],
+    ),
+    ("kimi_k2", "reasoning"): (
+        "each",
+        [["<think>Add two and two.</think>4<|im_end|>"], ["<think>4 times 3 is 12.</think>12<|im_end|>"]],
+    ),
+    ("harmony", "reasoning"): (
+        "each",
+        [
+            [
+                "<filename>analysis<file_sep>Add two and two.<|im_end|><|im_start|>assistant<filename>final<file_sep>4<|endoftext|>"
+            ],
+            [
+                "<filename>analysis<file_sep>4 times 3 is 12.<|im_end|><|im_start|>assistant<filename>final<file_sep>12<|endoftext|>"
+            ],
+        ],
+    ),
     ("llama31", "reasoning"): ("full", [["4<|im_end|>", "12<|im_end|>"]]),
     ("deepseek_v3", "reasoning"): ("full", [["4<|im_end|>", "12<|im_end|>"]]),
-    ("tools_chatml", "reasoning"): ("full", [["<think>Add two and two.</think>\n4<|im_end|>",
-                                              "<think>4 times 3 is 12.</think>\n12<|im_end|>"]]),
-    ("qwen3", "agent"): ("each", [
-        ['<think>\nI should call the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'],
-        ["<think>\nThe tool says 18 C.\n</think>\n\nIt is 18 C and sunny in Paris.<|im_end|>"],
-        ["<think>\n\n</think>\n\nYou're welcome.<|im_end|>"]]),
-    ("harmony", "agent"): ("each", [
-        ['<filename>analysis<file_sep>I should call the tool.<|im_end|><|im_start|>assistant to=functions.get_weather<filename>commentary json<file_sep>{"city": "Paris"}<empty_output>'],
-        ["<filename>analysis<file_sep>The tool says 18 C.<|im_end|><|im_start|>assistant<filename>final<file_sep>It is 18 C and sunny in Paris.<|endoftext|>"],
-        ["<filename>final<file_sep>You're welcome.<|endoftext|>"]]),
-    ("llama31", "agent"): ("full", [['{"name": "get_weather", "parameters": {"city": "Paris"}}<|im_end|>',
-                                     "It is 18 C and sunny in Paris.<|im_end|>", "You're welcome.<|im_end|>"]]),
-    ("deepseek_v3", "agent"): ("full", [[
-        '<jupyter_start><jupyter_code>function<file_sep>get_weather\n```json\n{"city": "Paris"}\n```<jupyter_text><jupyter_script><|im_end|>',
-        "It is 18 C and sunny in Paris.<|im_end|>", "You're welcome.<|im_end|>"]]),
+    ("tools_chatml", "reasoning"): (
+        "full",
+        [["<think>Add two and two.</think>\n4<|im_end|>", "<think>4 times 3 is 12.</think>\n12<|im_end|>"]],
+    ),
+    ("qwen3", "agent"): (
+        "each",
+        [
+            [
+                '<think>\nI should call the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+            ],
+            ["<think>\nThe tool says 18 C.\n</think>\n\nIt is 18 C and sunny in Paris.<|im_end|>"],
+            ["<think>\n\n</think>\n\nYou're welcome.<|im_end|>"],
+        ],
+    ),
+    ("harmony", "agent"): (
+        "each",
+        [
+            [
+                '<filename>analysis<file_sep>I should call the tool.<|im_end|><|im_start|>assistant to=functions.get_weather<filename>commentary json<file_sep>{"city": "Paris"}<empty_output>'
+            ],
+            [
+                "<filename>analysis<file_sep>The tool says 18 C.<|im_end|><|im_start|>assistant<filename>final<file_sep>It is 18 C and sunny in Paris.<|endoftext|>"
+            ],
+            ["<filename>final<file_sep>You're welcome.<|endoftext|>"],
+        ],
+    ),
+    ("llama31", "agent"): (
+        "full",
+        [
+            [
+                '{"name": "get_weather", "parameters": {"city": "Paris"}}<|im_end|>',
+                "It is 18 C and sunny in Paris.<|im_end|>",
+                "You're welcome.<|im_end|>",
+            ]
+        ],
+    ),
+    ("deepseek_v3", "agent"): (
+        "full",
+        [
+            [
+                '<jupyter_start><jupyter_code>function<file_sep>get_weather\n```json\n{"city": "Paris"}\n```<jupyter_text><jupyter_script><|im_end|>',
+                "It is 18 C and sunny in Paris.<|im_end|>",
+                "You're welcome.<|im_end|>",
+            ]
+        ],
+    ),
     ("llama31", "plain"): ("full", [["Blue.<|im_end|>", "Green 🌿<|im_end|>"]]),
-    ("harmony", "assistant_first"): ("each", [["<filename>final<file_sep>Hi, how can I help?<|endoftext|>"],
-                                              ["<filename>final<file_sep>Why did the chicken cross the road?<|endoftext|>"]]),
-    ("kimi_k2", "consecutive"): ("each", [["<think>Easy one.</think>Paris.<|im_end|>"],
-                                          ["<think></think>It has been the capital for centuries.<|im_end|>"],
-                                          ["<think></think>Any time.<|im_end|>"]]),
+    ("harmony", "assistant_first"): (
+        "each",
+        [
+            ["<filename>final<file_sep>Hi, how can I help?<|endoftext|>"],
+            ["<filename>final<file_sep>Why did the chicken cross the road?<|endoftext|>"],
+        ],
+    ),
+    ("kimi_k2", "consecutive"): (
+        "each",
+        [
+            ["<think>Easy one.</think>Paris.<|im_end|>"],
+            ["<think></think>It has been the capital for centuries.<|im_end|>"],
+            ["<think></think>Any time.<|im_end|>"],
+        ],
+    ),
     # Qwen3 gives the final turn an empty think block: each turn was generated with one, which `full` hides.
-    ("qwen3", "plain"): ("each", [["<think>\n\n</think>\n\n  Blue.  <|im_end|>"], ["<think>\n\n</think>\n\nGreen 🌿<|im_end|>"]]),
-}  # fmt: skip
+    ("qwen3", "plain"): (
+        "each",
+        [["<think>\n\n</think>\n\n  Blue.  <|im_end|>"], ["<think>\n\n</think>\n\nGreen 🌿<|im_end|>"]],
+    ),
+}
 
 
 @pytest.mark.parametrize("name, conv", sorted(EXPECTED), ids=[f"{n}-{c}" for n, c in sorted(EXPECTED)])
@@ -191,8 +275,10 @@ def test_full_masks_history_as_rendered_there(tokenizers):
 def test_full_with_harmony_end_tokens(tokenizers):
     ct = tokenizers["harmony"]
     [spans] = spans_of(ct, ct.encode_chat(sample("reasoning"), "full"))
-    assert spans == ["<filename>final<file_sep>4<|im_end|>",
-                     "<filename>analysis<file_sep>4 times 3 is 12.<|im_end|><|im_start|>assistant<filename>final<file_sep>12<|endoftext|>"]  # fmt: skip
+    assert spans == [
+        "<filename>final<file_sep>4<|im_end|>",
+        "<filename>analysis<file_sep>4 times 3 is 12.<|im_end|><|im_start|>assistant<filename>final<file_sep>12<|endoftext|>",
+    ]
 
 
 def test_harmony_each_keeps_the_tool_call_reasoning_the_model_saw(tokenizers):
@@ -201,7 +287,9 @@ def test_harmony_each_keeps_the_tool_call_reasoning_the_model_saw(tokenizers):
     answer = ct.tok.decode(result.samples[1].encoded.ids)
     # The template drops a tool call's reasoning once a final answer follows; the model answering saw it.
     assert "I should call the tool." in answer
-    assert "I should call the tool." not in ct.tok.apply_chat_template(list(sample("agent").messages[:4]), tools=TOOLS, tokenize=False)
+    assert "I should call the tool." not in ct.tok.apply_chat_template(
+        list(sample("agent").messages[:4]), tools=TOOLS, tokenize=False
+    )
 
 
 def test_auto_cost_and_choice(tokenizers):
@@ -231,8 +319,12 @@ def test_template_that_ignores_reasoning_reports_it(tokenizers):
 def test_field_the_template_cannot_render_is_an_error_row_with_its_message(model_dir):
     t = Tokenize(str(model_dir), 2048, "reject", turns="auto", chat_template=(TEMPLATES / "llama31.jinja").read_text())
     calls = [{"type": "function", "function": {"name": n, "arguments": {}}} for n in ("a", "b")]
-    line = json.dumps({"id": "two-calls", "messages": [{"role": "user", "content": "q"},
-                                                        {"role": "assistant", "content": None, "tool_calls": calls}]})  # fmt: skip
+    line = json.dumps(
+        {
+            "id": "two-calls",
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}],
+        }
+    )
     rows = t.tokenize_line("f:1", line)
     assert [r["status"] for r in rows] == ["error"]
     assert rows[0]["sample_id"] == "two-calls" and rows[0]["stage"] == "tokenize"
@@ -243,8 +335,13 @@ def test_field_the_template_cannot_render_is_an_error_row_with_its_message(model
 def test_every_conversation_is_stored_under_auto(model_dir, name):
     t = Tokenize(str(model_dir), 2048, "reject", turns="auto", chat_template=(TEMPLATES / f"{name}.jinja").read_text())
     for conv in CONVERSATIONS:
-        rows = t.tokenize_line(f"f:{conv}", sample(conv).sample_id and json.dumps(
-            {"id": conv, "messages": CONVERSATIONS[conv][0], **({"tools": TOOLS} if CONVERSATIONS[conv][1] else {})}))
+        rows = t.tokenize_line(
+            f"f:{conv}",
+            sample(conv).sample_id
+            and json.dumps(
+                {"id": conv, "messages": CONVERSATIONS[conv][0], **({"tools": TOOLS} if CONVERSATIONS[conv][1] else {})}
+            ),
+        )
         assert rows and all(r["status"] == "ok" for r in rows), [r["reason"] for r in rows]
         assert len({r["turns"] for r in rows}) == 1
         if rows[0]["turns"] == "each":
@@ -280,14 +377,22 @@ def test_stage_maps_one_line_to_several_rows(model_dir):
 
 
 def test_default_template_reports_what_it_leaves_out(model_dir):
-    [row] = Tokenize(str(model_dir), 2048, "reject").tokenize_line("f:1", json.dumps({"messages": AGENT, "tools": TOOLS}))
+    [row] = Tokenize(str(model_dir), 2048, "reject").tokenize_line(
+        "f:1", json.dumps({"messages": AGENT, "tools": TOOLS})
+    )
     # SmolLM2's template cannot render a null content: the template's own error, nothing dropped.
     assert row["status"] == "error" and "NoneType" in row["reason"]
     agent = [dict(m, content=m["content"] or "Let me check.") for m in AGENT]
-    [row] = Tokenize(str(model_dir), 2048, "reject").tokenize_line("f:1", json.dumps({"messages": agent, "tools": TOOLS}))
+    [row] = Tokenize(str(model_dir), 2048, "reject").tokenize_line(
+        "f:1", json.dumps({"messages": agent, "tools": TOOLS})
+    )
     assert row["status"] == "ok" and row["turns"] == "full"
-    assert row["unrendered"].split(",") == ["messages[1].reasoning_content", "messages[1].tool_calls",
-                                            "messages[3].reasoning_content", "tools"]  # fmt: skip
+    assert row["unrendered"].split(",") == [
+        "messages[1].reasoning_content",
+        "messages[1].tool_calls",
+        "messages[3].reasoning_content",
+        "tools",
+    ]
 
 
 FINAL_ONLY_TAGS = (  # marks only the final assistant turn, and closes its block after the newline
@@ -306,8 +411,12 @@ LOOSE_WHITESPACE = (
 
 def test_generation_blocks_that_skip_turns_do_not_hide_them(model_dir):
     ct = ChatTokenizer(model_dir, chat_template=FINAL_ONLY_TAGS)
-    msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
-            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]  # fmt: skip
+    msgs = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
     s = parse_line(json.dumps({"messages": msgs}))
     assert spans_of(ct, ct.encode_chat(s, "full")) == [["a1<|im_end|>", "a2<|im_end|>"]]
     # Where the blocks do cover the turn they give the mask, without the newline after the end token.
@@ -316,11 +425,18 @@ def test_generation_blocks_that_skip_turns_do_not_hide_them(model_dir):
 
 def test_header_rendered_with_other_whitespace_is_not_trained_on(model_dir):
     ct = ChatTokenizer(model_dir, chat_template=LOOSE_WHITESPACE)
-    msgs = [{"role": "user", "content": "Capital of Italy?"}, {"role": "assistant", "content": "Rome."},
-            {"role": "user", "content": "And Spain?"}, {"role": "assistant", "content": "Madrid."}]  # fmt: skip
+    msgs = [
+        {"role": "user", "content": "Capital of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+        {"role": "user", "content": "And Spain?"},
+        {"role": "assistant", "content": "Madrid."},
+    ]
     s = parse_line(json.dumps({"messages": msgs}))
     for policy in ("full", "each", "auto"):
-        assert [sp for spans in spans_of(ct, ct.encode_chat(s, policy)) for sp in spans] == ["Rome.<|im_end|>", "Madrid.<|im_end|>"]
+        assert [sp for spans in spans_of(ct, ct.encode_chat(s, policy)) for sp in spans] == [
+            "Rome.<|im_end|>",
+            "Madrid.<|im_end|>",
+        ]
 
 
 class WithoutOffsets:
@@ -345,4 +461,6 @@ def test_offsets_without_a_fast_tokenizer_give_the_same_masks(model_dir):
     slow.chat.tok = WithoutOffsets(slow.tok)
     for conv in ("reasoning", "plain", "agent"):
         a, b = fast.encode_chat(sample(conv), "auto"), slow.encode_chat(sample(conv), "auto")
-        assert [(s.encoded.ids, s.encoded.mask) for s in a.samples] == [(s.encoded.ids, s.encoded.mask) for s in b.samples]
+        assert [(s.encoded.ids, s.encoded.mask) for s in a.samples] == [
+            (s.encoded.ids, s.encoded.mask) for s in b.samples
+        ]

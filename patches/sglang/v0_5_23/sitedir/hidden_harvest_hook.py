@@ -88,12 +88,18 @@ def _patch(module) -> None:
                     "hidden-harvest's hook is being captured into a CUDA graph: a replay would skip it and no "
                     "hidden states would be dumped; run SGLang with --disable-prefill-cuda-graph (the engine does)"
                 )
-            _publisher.capture(input_ids, hidden_states, aux_hidden_states, fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)
+            _publisher.capture(
+                input_ids, hidden_states, aux_hidden_states, fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+            )
         return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states, *args, **kwargs)
 
     forward._hidden_harvest = True
     cls.forward = forward
-    logger.info("hidden-harvest hook installed on %s.LogitsProcessor.forward, dumping to %s", _TARGET_MODULE, _publisher.dump_dir)
+    logger.info(
+        "hidden-harvest hook installed on %s.LogitsProcessor.forward, dumping to %s",
+        _TARGET_MODULE,
+        _publisher.dump_dir,
+    )
 
 
 def install_import_hook() -> None:

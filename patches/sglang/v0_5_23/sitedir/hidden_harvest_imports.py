@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -36,8 +36,16 @@ def _patch(module) -> None:
         sock.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", port))
         sock.listen(512)
         # detach(): the store owns the descriptor from here on.
-        return module.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True, timeout=timeout,
-                               multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=use_libuv)  # fmt: skip
+        return module.TCPStore(
+            host_name=hostname,
+            port=port,
+            world_size=world_size,
+            is_master=True,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=sock.detach(),
+            use_libuv=use_libuv,
+        )
 
     create_c10d_store._hidden_harvest = True
     module._create_c10d_store = create_c10d_store

@@ -108,7 +108,9 @@ class DumpPublisher:
         if buf is None or buf.numel() < nbytes:
             # Grown in powers of two so pinning (slow, once) is rare; reused for every later forward.
             size = 1 << max(nbytes - 1, 1 << 20).bit_length()
-            logger.info("hidden-harvest: %s host buffer %d of %.1f MiB", "pinned" if pinned else "plain", slot, size / 2**20)
+            logger.info(
+                "hidden-harvest: %s host buffer %d of %.1f MiB", "pinned" if pinned else "plain", slot, size / 2**20
+            )
             buf = self._hosts[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         return buf
 
@@ -219,15 +221,26 @@ class DumpPublisher:
             part = self._partials[r.rid] = _Partial(total, r.prefix_len, job.aux_width, job.hidden_size)
         if r.prefix_len != part.first_prefix + part.got or part.got + r.n > total:
             del self._partials[r.rid]
-            self._publish(r.rid, part.first_prefix, ids, nonfinite, job, [], error=(
-                f"prefill chunk out of order: rows {r.prefix_len}..{r.prefix_len + r.n} after {part.first_prefix + part.got} of {total}"))
+            self._publish(
+                r.rid,
+                part.first_prefix,
+                ids,
+                nonfinite,
+                job,
+                [],
+                error=(
+                    f"prefill chunk out of order: rows {r.prefix_len}..{r.prefix_len + r.n} after {part.first_prefix + part.got} of {total}"
+                ),
+            )
             return
         part.add(r.n, ids, nonfinite, body)
         if part.got == total:
             del self._partials[r.rid]
             self._publish(r.rid, part.first_prefix, part.ids, part.nonfinite, job, [part.planes])
 
-    def _publish(self, rid: str, prefix_len: int, ids, nonfinite: int, job: _Job, body: list, error: str | None = None) -> None:
+    def _publish(
+        self, rid: str, prefix_len: int, ids, nonfinite: int, job: _Job, body: list, error: str | None = None
+    ) -> None:
         n = len(ids) if not error else 0
         header = {
             "rid": rid,
@@ -242,10 +255,11 @@ class DumpPublisher:
         }
         if error:
             header["error"] = error
-        if self._faults is not None and not self._faults.apply(header, body, job.aux_width, job.hidden_size, self._write_dump):
+        if self._faults is not None and not self._faults.apply(
+            header, body, job.aux_width, job.hidden_size, self._write_dump
+        ):
             return
         self._write_dump(header, body)
-
 
     def _write_dump(self, header: dict, body: list) -> None:
         head = json.dumps(header).encode()

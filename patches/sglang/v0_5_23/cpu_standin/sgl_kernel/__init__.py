@@ -24,9 +24,7 @@ def assign_req_to_token_pool_cpu(
 ) -> None:
     # out_cache_loc holds the new KV slots of all requests back to back, in batch order.
     offset = 0
-    for pool_idx, start, end in zip(
-        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
-    ):
+    for pool_idx, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         n = end - start
         req_to_token[pool_idx, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
         offset += n

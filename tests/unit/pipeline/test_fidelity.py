@@ -1,0 +1,115 @@
+"""The bf16-noise rule (pipeline/tools/fidelity.py) on the default model: healthy bf16 captures pass it on real
+text and on random tokens (where single tokens stray far from float32), and it fails each kind of damage
+the tests and the audit must catch: another sample's states, the neighbouring layer, the sequence offset by
+one token, one corrupted value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.tools.audit import Reference
+from pipeline.tools.fidelity import DEFAULT_RULE, FLOOR, NoiseRule, as_float, ratios, token_errors
+from tests_support import stored_blocks
+
+LAYERS = (2, 14, 15, 16, 27)  # 14-16: neighbours for the shifted-layer case
+
+
+@pytest.fixture(scope="module")
+def case(model_dir, text_ids):
+    """{key: (ids, captured blocks, truth blocks, yardstick blocks)}: captures from the hf engine (batched
+    together, so not the yardstick's forwards), truth and yardstick from the audit's reference."""
+    from actors.hf.engine import HFEngine
+
+    rng = np.random.default_rng(5)
+    prompts = {f"text{i}": ids for i, ids in enumerate(text_ids)}
+    prompts |= {f"rand{i}": rng.integers(100, 49000, n).tolist() for i, n in enumerate((24, 60, 60, 130))}
+    with HFEngine(str(model_dir), LAYERS, max_batch_tokens=4096, cpu_threads=2) as eng:
+        caps = eng.capture(list(prompts.items()))
+    with Reference(model_dir, LAYERS) as ref:
+        refs = ref.layers(list(prompts.values()))
+    out = {}
+    for (key, ids), (truth, yard) in zip(prompts.items(), refs):
+        aux, last = caps[key].capture.bits()
+        out[key] = (ids, [as_float(b) for b in stored_blocks(aux, last, len(LAYERS))], truth, yard)
+    return out
+
+
+def test_healthy_captures_pass_with_margin(case):
+    worst_sample = worst_token = 0.0
+    for key, (_, got, truth, yard) in case.items():
+        for j, (g, t, y) in enumerate(zip(got, truth, yard)):
+            d = DEFAULT_RULE.judge(g, t, y)
+            assert d.passed, (key, j, d.why())
+            s, tok = ratios(g, t, y)
+            worst_sample, worst_token = max(worst_sample, s), max(worst_token, tok)
+    # The margin the factors are chosen for (fidelity.py): healthy data well inside both.
+    assert worst_sample * 2 <= DEFAULT_RULE.sample_factor and worst_token * 2 <= DEFAULT_RULE.token_factor
+    print(f"\nhealthy: worst sample {worst_sample:.2f}x its yardstick, worst token {worst_token:.2f}x its base")
+
+
+def _fails(got, truth, yard) -> float:
+    d = DEFAULT_RULE.judge(got, truth, yard)
+    assert not d.passed, d
+    return max(ratios(got, truth, yard))
+
+
+def test_another_samples_states_fail(case):
+    keys = sorted(case, key=lambda k: len(case[k][0]))
+    seen = []
+    for a, b in zip(keys, keys[1:]):  # b is at least as long: its first len(a) rows stand in for a's
+        n = len(case[a][0])
+        _, _, truth, yard = case[a]
+        for j in range(len(LAYERS) + 1):
+            seen.append(_fails(case[b][1][j][:n], truth[j], yard[j]))
+    print(f"\nswapped sample: at least {min(seen):.1f}x")
+
+
+def test_the_neighbouring_layer_fails(case):
+    seen = []
+    for _, got, truth, yard in case.values():
+        k14, k15, k16 = LAYERS.index(14), LAYERS.index(15), LAYERS.index(16)
+        seen.append(_fails(got[k16], truth[k15], yard[k15]))  # layer 16 stored as 15
+        seen.append(_fails(got[k14], truth[k15], yard[k15]))  # layer 14 stored as 15
+    print(f"\nneighbouring layer: at least {min(seen):.1f}x")
+
+
+def test_a_sequence_offset_by_one_token_fails(case):
+    seen = []
+    for _, got, truth, yard in case.values():
+        for j in range(len(LAYERS) + 1):
+            shifted = np.concatenate([got[j][1:], got[j][-1:]])  # every row one position late
+            seen.append(_fails(shifted, truth[j], yard[j]))
+    print(f"\noffset by one token: at least {min(seen):.1f}x")
+
+
+def test_one_corrupted_value_fails(case):
+    """The largest value of one token with its sign flipped (one bit), in every layer of every sample."""
+    seen = []
+    for _, got, truth, yard in case.values():
+        for j in range(len(LAYERS) + 1):
+            bad = got[j].copy()
+            t = len(bad) // 2
+            c = int(np.argmax(np.abs(bad[t])))
+            bad[t, c] = -bad[t, c]
+            seen.append(_fails(bad, truth[j], yard[j]))
+    print(f"\none corrupted value: at least {min(seen):.1f}x")
+
+
+def test_the_rule_on_hand_made_arrays():
+    rng = np.random.default_rng(0)
+    truth = rng.standard_normal((6, 8))
+    yard = truth * (1 + 0.01 * rng.standard_normal(truth.shape))
+    assert DEFAULT_RULE.judge(truth, truth, yard).passed  # exact: passes
+    assert DEFAULT_RULE.judge(yard, truth, yard).passed  # the yardstick itself: passes
+    assert not DEFAULT_RULE.judge(2 * truth, truth, yard).passed  # scale is seen (cosine is blind to it)
+    assert not DEFAULT_RULE.judge(truth[:5], truth, yard).passed  # truncated
+    nan = truth.copy()
+    nan[2, 3] = np.nan
+    assert np.isinf(token_errors(nan, truth)[2]) and not DEFAULT_RULE.judge(nan, truth, yard).passed
+    # A float32 capture stored as bf16 passes even against an exact yardstick: the floor is bf16's roundoff.
+    rounded = as_float((truth.astype(np.float32).view(np.uint32) + 0x8000 >> 16).astype(np.uint16))
+    assert DEFAULT_RULE.judge(rounded, truth, truth).passed and token_errors(rounded, truth).max() < FLOOR
+    assert DEFAULT_RULE.judge(np.zeros((0, 8)), np.zeros((0, 8)), np.zeros((0, 8))).passed
+    strict = NoiseRule(sample_factor=0.5, token_factor=0.5, floor=0.0)
+    assert not strict.judge(yard, truth, yard).passed  # the factors are what decide
