@@ -148,7 +148,11 @@ class AuditReport:
             "output": self.output,
             "model": self.model,
             "device": self.device,
-            "reference": "transformers (actors/hf/reference.py): float32 truth, bfloat16 yardstick of the same tokens",
+            "reference": {
+                "engine": "transformers (actors/hf/reference.py)",
+                "runs": [f"{d}, {a} attention" for d, a in REFERENCE_RUNS],
+                "roles": "the first is the truth, the others the bf16 yardsticks",
+            },
             "rule": {**vars(self.rule), "text": self.rule.describe(), "why": RULE_WHY},
             "passed": self.ok,
             "samples": self.samples,
@@ -226,26 +230,32 @@ def _deviation_fields(d: Deviation) -> tuple:
     return (d.mean_error, d.noise_error, d.worst_token, d.worst_error, d.worst_allowed, d.sample_allowed, d.passed)
 
 
+# The truth, then the yardsticks: bf16 forwards of the same tokens with two attention kernels, whose
+# rounding differs (pipeline/tools/fidelity.py says why two).
+REFERENCE_RUNS = (("float32", "sdpa"), ("bfloat16", "sdpa"), ("bfloat16", "eager"))
+
+
 class Reference:
-    """The float32 truth and the bf16 yardstick of the same tokens: the transformers engine in both dtypes.
+    """The float32 truth and the bf16 yardsticks of the same tokens, from transformers (actors/hf/reference.py).
 
     It shares no code with the SGLang capture path (server, hook, dump, validation). `layers()` gives, per
-    sequence, the K aux blocks then the final state, each [T, H] float32 numpy, for both dtypes."""
+    sequence, the K aux blocks then the final state, each [T, H] float32 numpy: the truth's, and for each
+    block a tuple of the yardsticks'."""
 
     def __init__(self, model_dir, aux_layers, device: str = "cpu", max_batch_tokens: int | None = None):
         # On a CPU padding costs as much as real tokens and batching gains little: small batches (measured: half
         # the padded tokens and 30 % less time on the test output); a GPU wants large ones.
         batch_tokens = max_batch_tokens or (16384 if device.startswith("cuda") else 2048)
         self.aux_layers = tuple(aux_layers)
-        self._engines = [
-            ReferenceStates(str(model_dir), self.aux_layers, device, dtype, batch_tokens)
-            for dtype in ("float32", "bfloat16")
+        self._runs = [
+            ReferenceStates(str(model_dir), self.aux_layers, device, dtype, batch_tokens, attn_implementation=attn)
+            for dtype, attn in REFERENCE_RUNS
         ]
 
     def __enter__(self) -> Reference:
         try:
-            for e in self._engines:
-                e.start()
+            for r in self._runs:
+                r.start()
         except BaseException:
             self.close()
             raise
@@ -255,14 +265,14 @@ class Reference:
         self.close()
 
     def close(self) -> None:
-        for e in self._engines:
-            e.close()
+        for r in self._runs:
+            r.close()
 
-    def layers(self, sequences: list[list[int]]) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+    def layers(self, sequences: list[list[int]]) -> list[tuple[list[np.ndarray], list[tuple[np.ndarray, ...]]]]:
         """[(truth blocks, yardstick blocks)] per sequence, in order."""
         k = len(self.aux_layers)
-        truth, yard = (e.states(sequences) for e in self._engines)
-        return [(_blocks(t, k), _blocks(y, k)) for t, y in zip(truth, yard)]
+        truth, *yards = (r.states(sequences) for r in self._runs)
+        return [(_blocks(t, k), list(zip(*(_blocks(y, k) for y in ys)))) for t, *ys in zip(truth, *yards)]
 
 
 def _blocks(state, k: int) -> list[np.ndarray]:
@@ -328,7 +338,7 @@ def audit(
                 stored = _blocks_of(d, len(aux_layers), meta["hidden_size"])
                 if "last_hidden_state_positions" in d:  # masked outputs store the final state at trained positions only
                     keep = d["last_hidden_state_positions"]
-                    truth[-1], yard[-1] = truth[-1][keep], yard[-1][keep]
+                    truth[-1], yard[-1] = truth[-1][keep], tuple(y[keep] for y in yard[-1])
                 for name, got, t, y in zip(names, stored, truth, yard):
                     report.results.append(compare(sid, name, got, t, y, rule))
     report.seconds = time.monotonic() - t0

@@ -351,10 +351,10 @@ def test_warm_up_refuses_a_max_batch_tokens_the_device_cannot_hold(model_dir, mo
 
     real = HFEngine._forward
 
-    def small_device(self, batch, record):  # any forward of more than one sequence runs out of memory
+    def small_device(self, batch):  # any forward of more than one sequence runs out of memory
         if len(batch) > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, batch, record)
+        return real(self, batch)
 
     monkeypatch.setattr(HFEngine, "_forward", small_device)
     eng = HFEngine(str(model_dir), AUX, max_batch_tokens=4096, cpu_threads=2, warmup=True)
