@@ -16,6 +16,7 @@ import json
 import os
 import struct
 import threading
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -30,15 +31,50 @@ class DumpError(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class CaptureHeader:
+    """What an engine says of one capture; validation (actors/validate.py) reads only this.
+
+    The SGLang hook writes it as the dump's JSON header. The hook runs inside the server and imports
+    nothing of the project, so it spells the keys out itself; tests/unit/actors/test_dump.py pins that
+    the keys it writes are exactly these fields."""
+
+    rid: str
+    num_tokens: int
+    prefix_len: int  # tokens the server took from a cache instead of computing (must be 0)
+    ids_sha256: str  # over the int32 ids the forward ran
+    nonfinite: int  # non-finite values among the captured ones, counted on the device
+    aux_shape: tuple[int, int]  # [T, K*H]
+    last_shape: tuple[int, int]  # [T, H]
+    source_dtype: str  # the dtype the model computed in
+    layout: str = "planes"
+    error: str | None = None  # the capture failed inside the server, and why
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CaptureHeader:
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+        if missing:
+            raise DumpError(f"dump header lacks {missing} (a hook older than this client?)")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise DumpError(f"dump header has keys this client does not know: {unknown}")
+        aux, last = (tuple(int(x) for x in d[k]) for k in ("aux_shape", "last_shape"))
+        return cls(**{**d, "aux_shape": aux, "last_shape": last})
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**d, "aux_shape": list(self.aux_shape), "last_shape": list(self.last_shape)}
+
+
 class Capture:
-    def __init__(self, header: dict, fd: int | None, offset: int, body: np.ndarray | None = None):
+    def __init__(self, header: CaptureHeader, fd: int | None, offset: int, body: np.ndarray | None = None):
         self.header = header
         self._fd = fd
         self._offset = offset
         self._body = body
         self._lock = threading.Lock()
-        (t, wa), (_, wl) = header["aux_shape"], header["last_shape"]
-        self.aux_shape, self.last_shape = (2, wa, t), (2, wl, header["last_shape"][0])
+        (t, wa), (tl, wl) = header.aux_shape, header.last_shape
+        self.aux_shape, self.last_shape = (2, wa, t), (2, wl, tl)
 
     def _load(self) -> np.ndarray:
         with self._lock:
@@ -50,9 +86,7 @@ class Capture:
                 finally:
                     self.close()
                 if got != size:
-                    raise DumpError(
-                        f"dump for {self.header.get('rid')} shrank while being read ({got} of {size} bytes)"
-                    )
+                    raise DumpError(f"dump for {self.header.rid} shrank while being read ({got} of {size} bytes)")
                 self._body = np.frombuffer(buf, np.uint8)
             return self._body
 
@@ -85,9 +119,7 @@ class Capture:
         finally:
             self.close()
         if got != 2 * (na + nl):
-            raise DumpError(
-                f"dump for {self.header.get('rid')} shrank while being read ({got} of {2 * (na + nl)} bytes)"
-            )
+            raise DumpError(f"dump for {self.header.rid} shrank while being read ({got} of {2 * (na + nl)} bytes)")
         return codec.finish(va, na, his[0]), codec.finish(vl, nl, his[1])
 
     def bits(self) -> tuple[np.ndarray, np.ndarray]:
@@ -122,9 +154,11 @@ def read_dump(path: Path) -> Capture:
         if n > _MAX_HEADER or size < 8 + n:
             raise DumpError(f"dump {path.name} is truncated ({size} bytes)")
         try:
-            header = json.loads(os.pread(fd, n, 8))
-            (ta, wa), (tl, wl) = header["aux_shape"], header["last_shape"]
-            want = 2 * (int(ta) * int(wa) + int(tl) * int(wl))
+            header = CaptureHeader.from_dict(json.loads(os.pread(fd, n, 8)))
+            (ta, wa), (tl, wl) = header.aux_shape, header.last_shape
+            want = 2 * (ta * wa + tl * wl)
+        except DumpError as e:
+            raise DumpError(f"dump {path.name}: {e}") from None
         except (ValueError, KeyError, TypeError) as e:
             raise DumpError(f"dump {path.name} has an unreadable header: {e}") from None
         if size - 8 - n != want:

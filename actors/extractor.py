@@ -28,7 +28,7 @@ import pyarrow as pa
 from actors.engine import Engine, engine_class
 from actors.metrics import ExtractorMetrics
 from actors.validate import check_capture
-from pipeline.format.manifest import ERROR_DIR
+from pipeline.format.errors import ErrorRow, error_file, write_errors
 from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter, encode_sample, ids_digest
 from pipeline.format.storage import Store
 
@@ -116,32 +116,21 @@ class HiddenStateExtractor:
         for r in rows:
             sid = r["sample_id"]
             if r["status"] != "ok":
-                error_rows.append({k: r[k] for k in ("sample_id", "source", "status", "stage", "reason")})
+                error_rows.append(ErrorRow(sid, r["source"], r["status"], r["stage"], r["reason"]))
             elif sid in failed:
-                error_rows.append(
-                    {
-                        "sample_id": sid,
-                        "source": r["source"],
-                        "status": "error",
-                        "stage": "extract",
-                        "reason": failed[sid],
-                    }
-                )
+                error_rows.append(ErrorRow(sid, r["source"], "error", "extract", failed[sid]))
 
-        digest = ids_digest([r["sample_id"] for r in rows])
-        if error_rows:
-            body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in error_rows)
-            self.store.write_bytes(f"{ERROR_DIR}/part-{digest}.jsonl", body.encode())
+        write_errors(self.store, error_file(ids_digest([r["sample_id"] for r in rows])), error_rows)
         name, shard_bytes = shard.commit()
         shares = _split_exact(shard_bytes, shard.encoded_bytes)
         tokens = {r["sample_id"]: len(r["input_ids"]) for r in rows}
 
-        errors_by_id = {e["sample_id"]: e for e in error_rows}
+        errors_by_id = {e.sample_id: e for e in error_rows}
         for r in rows:
             sid = r["sample_id"]
             if sid in errors_by_id:
                 e = errors_by_id[sid]
-                results.append(_result(sid, e["status"], e["stage"], e["reason"], len(r["input_ids"])))
+                results.append(_result(sid, e.status, e.stage, e.reason, len(r["input_ids"])))
         for sid, share in zip(shard.ids, shares):
             results.append(_result(sid, "ok", "", "", tokens[sid], share, name, latency.get(sid, 0.0)))
         return results

@@ -21,20 +21,18 @@ def check_capture(cap: Capture, input_ids: list[int], aux_width: int, hidden_siz
     """None when the capture is the hidden states of exactly these input ids; else the reason."""
     n = len(input_ids)
     h = cap.header
-    if h.get("error"):
-        return f"capture failed in the server: {h['error']}"
-    if h.get("prefix_len", 0) != 0:
-        return f"server reused {h['prefix_len']} cached prefix tokens; the capture would be truncated"
-    if h["num_tokens"] != n:
-        return f"token count mismatch: sent {n} tokens, server captured {h['num_tokens']}"
-    if h["ids_sha256"] != ids_sha256(input_ids):
+    if h.error:
+        return f"capture failed in the server: {h.error}"
+    if h.prefix_len != 0:
+        return f"server reused {h.prefix_len} cached prefix tokens; the capture would be truncated"
+    if h.num_tokens != n:
+        return f"token count mismatch: sent {n} tokens, server captured {h.num_tokens}"
+    if h.ids_sha256 != ids_sha256(input_ids):
         return "input ids seen by the server differ from those sent (hash mismatch)"
     if cap.aux_shape != (2, aux_width, n):
         return f"aux_hidden_states shape {(cap.aux_shape[2], cap.aux_shape[1])} != expected {(n, aux_width)}"
     if cap.last_shape != (2, hidden_size, n):
         return f"last_hidden_state shape {(cap.last_shape[2], cap.last_shape[1])} != expected {(n, hidden_size)}"
-    if "nonfinite" not in h:
-        return "dump header has no non-finite count (hook older than this client?)"
-    if h["nonfinite"]:
-        return f"{h['nonfinite']} non-finite hidden-state values"
+    if h.nonfinite:
+        return f"{h.nonfinite} non-finite hidden-state values"
     return None

@@ -1,1 +1,5 @@
-"""hidden-harvest: hidden-state training data for EAGLE-3 draft models, as a Ray Data job."""
+"""hidden-harvest: the job, its intake, the storage format and the offline tools (README "Layout")."""
+
+from pipeline.format.shards import open_shards
+
+__all__ = ["open_shards"]

@@ -56,8 +56,8 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.set or [])
     _init_ray(cfg)
     summary = run(cfg, retry_errors=args.retry_errors)
-    t = summary["totals"]
-    p = summary["this_run"]
+    t = summary.totals
+    p = summary.this_run
     samples = t.get("samples", t["input_rows"])
     # One sample per input row unless extract.turns splits conversations into one sample per assistant turn.
     whole = (
@@ -73,8 +73,8 @@ def cmd_run(args) -> int:
         f"{t['accounted']:,} of {whole}; {t['tokens']:,} tokens; "
         f"{human_bytes(t['bytes'])} ({t['bytes']:,} bytes) in {t['shards']} shards",
     ]
-    if summary["reasons"]:
-        lines.append("top error reasons: " + "; ".join(f"{n}x {r}" for r, n in summary["reasons"]))
+    if summary.reasons:
+        lines.append("top error reasons: " + "; ".join(f"{n}x {r}" for r, n in summary.reasons))
     print("\n".join(lines))
     return 0 if t["accounted"] == samples else 1
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.dump import Capture
+from actors.dump import Capture, CaptureHeader
 from actors.engine import EngineDied, RequestResult
 from actors.hf.batching import BatchPolicy, take_batch
 from actors.hf.decoder import Decoder
@@ -474,15 +474,15 @@ class HFEngine:
         self.last_done_unix = time.time()
         for row, r in enumerate(staged.batch):
             n = len(r.ids)
-            header = {
-                "rid": r.key,
-                "num_tokens": n,
-                "prefix_len": 0,
-                "ids_sha256": _ids_sha256(staged.ids[row, :n]),
-                "nonfinite": int(staged.nonfinite[row, :n].sum()),
-                "aux_shape": [n, w],
-                "last_shape": [n, h],
-                "source_dtype": self.dtype,
-            }
+            header = CaptureHeader(
+                rid=r.key,
+                num_tokens=n,
+                prefix_len=0,
+                ids_sha256=_ids_sha256(staged.ids[row, :n]),
+                nonfinite=int(staged.nonfinite[row, :n].sum()),
+                aux_shape=(n, w),
+                last_shape=(n, h),
+                source_dtype=self.dtype,
+            )
             cap = Capture(header, None, 0, body=staged.planes[staged.offsets[row] : staged.offsets[row + 1]])
             r.future.set_result(RequestResult(r.key, cap, None, now - r.submitted, r.key))

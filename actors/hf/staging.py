@@ -9,16 +9,16 @@ padded batch, how many of its values are not finite; the host sums those over ea
 Two implementations with the same output:
 - `stage_torch`: torch ops, on any device. One transpose per layer, then one copy per request and layer:
   a few hundred small ops per forward, each a Python call into torch that lets go of the interpreter lock
-  and waits to take it back. In a job, where encoding threads and Ray's own threads want the same lock,
-  they took the thread that launches the forwards 3.6 s of a 43 s run on the H200, and 0.50 s of device
-  time (bench/results/job_h200.json, run G).
+  and waits to take it back; in a job, where encoding threads and Ray's own threads want the same lock,
+  that holds up the thread that launches the forwards.
 - `TritonStager`: one Triton kernel launch per layer, CUDA only. Each program reads a tile of one row's
   states, writes both byte planes transposed straight into the request's place in the staging buffer and
   counts the non-finite values (a bf16 value is not finite when its exponent bits are all ones); padded
-  positions are never read. In the same job: 0.085 s of the forward thread, 0.16 s of device time; per 64k
-  tokens 6.6 ms of device time against 20.3 ms for the torch ops (bench/results/stage_gpu.json). `TritonStager.checked` runs it against `stage_torch` once on a small batch
+  positions are never read. `TritonStager.checked` runs it against `stage_torch` once on a small batch
   with odd lengths and non-finite values and gives None (and logs why) where Triton is missing, does not
   compile or does not match, so the engine falls back to the torch ops.
+
+What each costs on the H200, device and host: bench/results/stage_gpu.json and job_h200.json.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ def stage_torch(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -
     for k, states in enumerate(layers):
         # One transpose per layer for the whole padded batch, [B, T, H] -> [B, H, T] as int16 (the bf16
         # bits), so each request's planes are then a copy of whole rows, and one layer's copy alive at a
-        # time. On the H200, with the non-finite count, 20.3 ms per 64k tokens where splitting bytes token
-        # by token took 23.6 ms (bench/results/stage_gpu.json).
+        # time (faster than splitting bytes token by token: bench/results/stage_gpu.json).
         channels = states.view(torch.int16).transpose(1, 2).contiguous()
         for row, n in enumerate(lengths):
             o = int(offsets[row])

@@ -206,9 +206,9 @@ class SGLangEngine:
             return RequestResult(key, None, f"unreadable dump: {e}", latency, rid)
         finally:
             path.unlink(missing_ok=True)  # the open descriptor keeps the bytes until the sample is encoded
-        if cap.header.get("rid") != rid:
+        if cap.header.rid != rid:
             cap.close()
-            return RequestResult(key, None, f"dump for {rid} names request {cap.header.get('rid')}", latency, rid)
+            return RequestResult(key, None, f"dump for {rid} names request {cap.header.rid}", latency, rid)
         return RequestResult(key, cap, None, latency, rid)
 
     async def _published(self, path: Path) -> bool:

@@ -8,10 +8,10 @@ Then extraction maps batches onto the actor pool; only metadata rows come back t
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -22,18 +22,16 @@ from pipeline.driver.budget import check_budget
 from pipeline.driver.plan import Plan
 from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.driver.progress import Progress
-from pipeline.format.manifest import (
+from pipeline.format.errors import (
     DUPLICATES,
     ERROR_DIR,
-    base_manifest,
-    check_settings,
-    committed_totals,
+    ErrorRow,
     error_files,
-    error_lines,
-    read_manifest,
+    read_errors,
     reopen_transient_errors,
-    write_manifest,
+    write_errors,
 )
+from pipeline.format.manifest import base_manifest, check_settings, committed_totals, read_manifest, write_manifest
 from pipeline.format.shards import SHARD_DIR, list_shards, shard_sample_ids
 from pipeline.format.storage import Store
 from pipeline.intake.read import read_jsonl
@@ -121,7 +119,7 @@ def committed_ids(store: Store) -> set[str]:
     for rel in list_shards(store):
         done.update(shard_sample_ids(store, rel))
     for rel in error_files(store):
-        done.update(json.loads(line)["sample_id"] for line in error_lines(store, rel))
+        done.update(row.sample_id for row in read_errors(store, rel))
     return done
 
 
@@ -163,7 +161,39 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
     )
 
 
-def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run did: the output's totals (as the manifest records them), this run's counters, its most
+    common error reasons, and where the output is."""
+
+    totals: dict
+    this_run: Progress
+    reasons: list[tuple[str, int]]
+    output: str
+
+
+@dataclass(frozen=True)
+class Work:
+    """What this run has to do, decided from the tokenized input and the output's committed files."""
+
+    index: pa.Table  # the small columns of every tokenized sample
+    duplicates: dict[str, str]  # source -> reason, for every input row whose ids repeat an earlier row's
+    done: set[str]  # sample ids already committed (as data or as an error)
+    rows: int  # samples to extract
+    tokens: int
+    masked: int  # their loss-masked tokens (the budget of a masked final state)
+    conversations: dict  # extract.turns' choices and their cost
+
+    @property
+    def input_rows(self) -> int:
+        return len(set(self.index["source"].to_pylist()))
+
+    @property
+    def duplicate_samples(self) -> int:
+        return sum(s in self.duplicates for s in self.index["source"].to_pylist())
+
+
+def run(cfg: HarvestConfig, retry_errors: bool = False) -> RunSummary:
     """The whole job; refuses (PreflightError, OutputLocked) before any extraction when it cannot work.
 
     retry_errors: samples whose committed error is transient (engine/extract stage) run again.
@@ -177,91 +207,103 @@ def run(cfg: HarvestConfig, retry_errors: bool = False) -> dict:
         return _run_locked(cfg, plan, store, retry_errors)
 
 
-def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool) -> dict:
+def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool) -> RunSummary:
     import ray.data
 
     # A stage that raises (storage full or gone) fails the run with its own exception, not Ray Data's wrapper
     # whose cause is lost on the way to the driver: the CLI names the real cause in its one line. Set before
     # any dataset is built: a dataset keeps the context it was created with.
     ray.data.DataContext.get_current().raise_original_map_exception = True
+    existing = _open_output(store, plan, retry_errors)
+    manifest = base_manifest(cfg.output.path, plan.settings, provenance(cfg, plan), cfg.model_dump(mode="json"))
+    write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
+    tokenized = tokenized_dataset(cfg, plan).materialize()
+    work = _decide_work(cfg, plan, store, index_of(tokenized))
+    manifest["conversations"] = {k: v for k, v in work.conversations.items() if k != "plan"}
+    check_budget(store, plan.layout, work.tokens, work.masked, cfg.output.check_free_space)
+    progress = Progress(work.rows, work.tokens, cfg.progress.interval_s)
+    reasons: Counter = Counter()
+    if work.rows:
+        _extract(cfg, plan, tokenized, set(work.duplicates), work.done, progress, reasons)
+    totals = _totals(store, work)
+    write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=_last_run(progress)))
+    return RunSummary(totals, progress, reasons.most_common(5), store.display())
+
+
+def _open_output(store: Store, plan: Plan, retry_errors: bool) -> dict | None:
+    """The output's manifest (None for a new output) once its settings match this run's; partial files of
+    an earlier run are gone, and with --retry-errors its transient errors are open again."""
     existing = read_manifest(store)
     check_settings(existing, plan.settings)
     store.clean_temporaries(SHARD_DIR)
     store.clean_temporaries(ERROR_DIR)
     if retry_errors:
-        logger.info(
-            "--retry-errors: %d samples with a transient (engine/extract) error will run again",
-            reopen_transient_errors(store),
-        )
-    manifest = base_manifest(cfg.output.path, plan.settings, provenance(cfg, plan), cfg.model_dump(mode="json"))
-    write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
+        n = reopen_transient_errors(store)
+        logger.info("--retry-errors: %d samples with a transient (engine/extract) error will run again", n)
+    return existing
 
-    tokenized = tokenized_dataset(cfg, plan).materialize()
-    index = index_of(tokenized)
-    samples = index.num_rows
-    sources = index["source"].to_pylist()
-    input_rows = len(set(sources))
+
+def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, index: pa.Table) -> Work:
+    """Drop duplicated rows (recorded in the duplicates file) and samples already committed; log the plan."""
+    ids, sources = index["sample_id"].to_pylist(), index["source"].to_pylist()
     dups = find_duplicates(index)
-    dup_samples = sum(s in dups for s in sources)
     done = committed_ids(store)
     if dups:
         # One line per skipped sample, like every other error file (a duplicated row may hold several turns).
-        skipped = sorted((s, sid) for sid, s in zip(index["sample_id"].to_pylist(), sources) if s in dups)
-        body = "".join(
-            json.dumps(
-                {"sample_id": sid, "source": s, "status": "filtered", "stage": "dedup", "reason": dups[s]},
-                ensure_ascii=False,
-            )
-            + "\n"
-            for s, sid in skipped
-        )
-        store.write_bytes(DUPLICATES, body.encode())
-    todo_mask = [s not in dups and sid not in done for sid, s in zip(index["sample_id"].to_pylist(), sources)]
-    todo_rows = sum(todo_mask)
-    todo_tokens = sum(n for n, keep in zip(index["num_tokens"].to_pylist(), todo_mask) if keep)
-    todo_masked = sum(n for n, keep in zip(index["num_masked"].to_pylist(), todo_mask) if keep)
-    conversations = conversation_summary(index, cfg.extract.turns)
+        skipped = sorted((s, sid) for sid, s in zip(ids, sources) if s in dups)
+        write_errors(store, DUPLICATES, [ErrorRow(sid, s, "filtered", "dedup", dups[s]) for s, sid in skipped])
+    keep = [s not in dups and sid not in done for sid, s in zip(ids, sources)]
+    work = Work(
+        index,
+        dups,
+        done,
+        rows=sum(keep),
+        tokens=sum(n for n, k in zip(index["num_tokens"].to_pylist(), keep) if k),
+        masked=sum(n for n, k in zip(index["num_masked"].to_pylist(), keep) if k),
+        conversations=conversation_summary(index, cfg.extract.turns),
+    )
+    samples = index.num_rows
     logger.info(
         "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens), device=%s; %s",
-        input_rows,
+        work.input_rows,
         samples,
-        samples - todo_rows - dup_samples,
-        dup_samples,
-        todo_rows,
-        todo_tokens,
+        samples - work.rows - work.duplicate_samples,
+        work.duplicate_samples,
+        work.rows,
+        work.tokens,
         "cuda" if plan.cuda else "cpu",
-        conversations["plan"],
+        work.conversations["plan"],
     )
-    if conversations["unrendered"]:
+    if work.conversations["unrendered"]:
         logger.warning(
             "the chat template does not render some fields, which are kept out of those samples: %s "
             "(a template that reads them, e.g. one with reasoning or tool support, would train on them)",
-            ", ".join(f"{k} in {n} sample(s)" for k, n in sorted(conversations["unrendered"].items())),
+            ", ".join(f"{k} in {n} sample(s)" for k, n in sorted(work.conversations["unrendered"].items())),
         )
-    manifest["conversations"] = {k: v for k, v in conversations.items() if k != "plan"}
+    return work
 
-    check_budget(store, plan.layout, todo_tokens, todo_masked, cfg.output.check_free_space)
 
-    progress = Progress(todo_rows, todo_tokens, cfg.progress.interval_s)
-    reasons: Counter = Counter()
-    if todo_rows:
-        _extract(cfg, plan, tokenized, set(dups), done, progress, reasons)
-
+def _totals(store: Store, work: Work) -> dict:
+    """The output's totals from its committed files, and this input's: ok + errors + filtered == samples."""
     totals = committed_totals(store)
-    totals["filtered"] += dup_samples
-    totals["input_rows"] = input_rows
-    totals["samples"] = samples
+    totals["filtered"] += work.duplicate_samples
+    totals["input_rows"] = work.input_rows
+    totals["samples"] = work.index.num_rows
     totals["accounted"] = totals["samples_ok"] + totals["errors"] + totals["filtered"]
-    last_run = {
+    return totals
+
+
+def _last_run(progress: Progress) -> dict:
+    """This run's counters and rates for the manifest."""
+    first = progress.first_result_at
+    return {
         "samples_ok": progress.ok,
         "errors": progress.errors,
         "tokens": progress.tokens,
         "bytes": progress.bytes,
         "extract_seconds": round(progress.elapsed(), 3),
         "tokens_per_second": round(progress.tokens / max(progress.elapsed(), 1e-9), 1),
-        "first_result_seconds": round(progress.first_result_at - progress.started, 3)
-        if progress.first_result_at
-        else None,
+        "first_result_seconds": round(first - progress.started, 3) if first else None,
         "steady_tokens_per_second": round(progress.steady_tokens_per_second() or 0.0, 1),
         "tokens_per_second_after_engine_start": round(progress.tokens_per_second_after_engine_start() or 0.0, 1),
         # The window that rate covers (wall clock), to set against the engines' own timestamps in per_actor.
@@ -269,8 +311,6 @@ def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool
         "last_result_unix": progress.last_result_unix or None,
         "per_actor": progress.actors,
     }
-    write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=last_run))
-    return {"totals": totals, "this_run": progress, "reasons": reasons.most_common(5), "output": store.display()}
 
 
 def _extract(

@@ -12,18 +12,13 @@ import time
 
 import pyarrow.parquet as pq
 
+from pipeline.format.errors import error_files, read_errors
 from pipeline.format.shards import FORMAT_VERSION, list_shards
 from pipeline.format.storage import Store, redact
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-ERROR_DIR = "errors"
-# Rewritten by every run from the input; not a record of committed samples (see job.committed_ids).
-DUPLICATES = f"{ERROR_DIR}/duplicates.jsonl"
-# Stages whose errors may pass on a second attempt (a server that died, a capture that failed validation);
-# parse and tokenize errors are properties of the input and never change.
-TRANSIENT_STAGES = ("engine", "extract")
 AUX_CONVENTION = "aux layer i = output of decoder layer i = HF hidden_states[i+1] (residual stream)"
 
 
@@ -58,16 +53,6 @@ def check_settings(existing: dict | None, settings: dict) -> None:
         )
 
 
-def error_files(store: Store) -> list[str]:
-    """The committed error files; not DUPLICATES, which each run rewrites from its input."""
-    return [rel for rel in store.list(ERROR_DIR, ".jsonl") if rel != DUPLICATES]
-
-
-def error_lines(store: Store, rel: str) -> list[str]:
-    """The rows of one error file, as JSON lines (blank lines skipped)."""
-    return [line for line in store.read_bytes(rel).decode().splitlines() if line.strip()]
-
-
 def committed_totals(store: Store) -> dict:
     """Totals from committed files only: shard footers and the num_tokens column, error files."""
     ok = tokens = nbytes = 0
@@ -80,9 +65,8 @@ def committed_totals(store: Store) -> dict:
         nbytes += store.size(rel)
     counts = {"error": 0, "filtered": 0}
     for rel in error_files(store):
-        for line in error_lines(store, rel):
-            status = json.loads(line).get("status", "error")
-            counts[status] = counts.get(status, 0) + 1
+        for row in read_errors(store, rel):
+            counts[row.status] = counts.get(row.status, 0) + 1
     return {
         "samples_ok": ok,
         "errors": counts["error"],
@@ -91,26 +75,6 @@ def committed_totals(store: Store) -> dict:
         "bytes": nbytes,
         "shards": len(shards),
     }
-
-
-def reopen_transient_errors(store: Store) -> int:
-    """Take the error rows of transient stages out of the committed error files, so their samples run again.
-
-    Each error file is rewritten whole (or removed): after a crash at any point a sample is either still in
-    errors/ or runs again, never both, and a sample that then succeeds is counted once, as ok.
-    """
-    reopened = 0
-    for rel in error_files(store):
-        lines = error_lines(store, rel)
-        keep = [line for line in lines if json.loads(line).get("stage") not in TRANSIENT_STAGES]
-        if len(keep) == len(lines):
-            continue
-        reopened += len(lines) - len(keep)
-        if keep:
-            store.write_bytes(rel, ("\n".join(keep) + "\n").encode())
-        else:
-            store.remove(rel)
-    return reopened
 
 
 def base_manifest(output: str, settings: dict, provenance: dict, config: dict) -> dict:

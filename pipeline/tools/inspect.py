@@ -6,7 +6,8 @@ import json
 
 import pyarrow.parquet as pq
 
-from pipeline.format.manifest import ERROR_DIR, read_manifest
+from pipeline.format.errors import ERROR_DIR
+from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import list_shards, read_layout
 from pipeline.format.storage import Store, human_bytes
 

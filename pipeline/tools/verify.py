@@ -7,7 +7,6 @@ appears twice (across shards, or in a shard and in errors/), and the manifest to
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.format.codec import Codec
-from pipeline.format.manifest import error_files, error_lines, read_manifest
+from pipeline.format.errors import error_files, read_errors
+from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import hidden_bits, list_shards, read_layout, shard_name
 from pipeline.format.storage import Store
 
@@ -127,7 +127,7 @@ def verify(output: str) -> Report:
         report.problems.append(f"{len(dups)} sample_id(s) in more than one shard, e.g. {dups[:3]}")
     error_ids = set()
     for rel in error_files(store):
-        error_ids.update(json.loads(line)["sample_id"] for line in error_lines(store, rel))
+        error_ids.update(row.sample_id for row in read_errors(store, rel))
     both = sorted(error_ids & set(ids))
     if both:
         report.problems.append(f"{len(both)} sample_id(s) both in a shard and in errors/, e.g. {both[:3]}")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_every_input_row_is_accounted_for_once(harvest_run, e2e_input):
     out, summary = harvest_run
     rows = [line for line in e2e_input.read_text().splitlines() if line.strip()]
-    t = summary["totals"]
+    t = summary.totals
     assert t["input_rows"] == len(rows)
     assert t["samples_ok"] + t["errors"] + t["filtered"] == len(rows)
     assert t["filtered"] == 1  # the duplicated row
@@ -124,8 +124,8 @@ def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_sessio
     out, summary = harvest_run
     ds = ray.data.read_parquet(str(out / "shards"), columns=["sample_id", "num_tokens", "input_ids"])
     rows = ds.take_all()
-    assert len(rows) == summary["totals"]["samples_ok"]
-    assert sum(r["num_tokens"] for r in rows) == summary["totals"]["tokens"]
+    assert len(rows) == summary.totals["samples_ok"]
+    assert sum(r["num_tokens"] for r in rows) == summary.totals["tokens"]
     df = ray.data.read_parquet(
         str(out / "shards"), columns=["sample_id", "num_tokens", "last_hidden_state"]
     ).to_pandas()
@@ -146,7 +146,7 @@ def test_manifest_records_the_turns_policy_and_what_the_template_left_out(harves
     # SmolLM2's ChatML template renders a prefix of a conversation as it renders it inside the whole one.
     assert conv["conversations"] == conv["full"] > 0 and conv["each"] == 0
     assert conv["tokens_chosen"] == conv["tokens_full"] < conv["tokens_each"]
-    assert summary["totals"]["samples"] == summary["totals"]["input_rows"]
+    assert summary.totals["samples"] == summary.totals["input_rows"]
     # Its template renders neither reasoning nor tool calls: the samples that carry them say so.
     carrying = sum(
         '"reasoning_content"' in line or '"tool_calls"' in line for line in e2e_input.read_text().splitlines()

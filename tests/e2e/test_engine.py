@@ -48,7 +48,7 @@ def test_results_are_realigned_by_id_and_repeats_are_not_truncated(engine):
         res = results[key]
         assert res.error is None, res.error
         assert check_capture(res.capture, ids, 3 * 576, 576) is None
-        assert res.capture.header["prefix_len"] == 0 and res.capture.header["nonfinite"] == 0
+        assert res.capture.header.prefix_len == 0 and res.capture.header.nonfinite == 0
         assert res.capture.aux.shape == (2, 3 * 576, len(ids)) and res.capture.last.shape == (2, 576, len(ids))
     assert engine.healthy()
     assert (results["mid"].capture.aux == results["mid-again"].capture.aux).all()

@@ -38,7 +38,7 @@ def _errors(out) -> set:
 def test_same_samples_errors_and_tokens_as_the_sglang_run(hf_run, harvest_run):
     (hf_out, hf_summary), (sg_out, sg_summary) = hf_run, harvest_run
     for key in ("input_rows", "samples", "samples_ok", "errors", "filtered", "tokens", "accounted"):
-        assert hf_summary["totals"][key] == sg_summary["totals"][key], key
+        assert hf_summary.totals[key] == sg_summary.totals[key], key
     hf, sg = _samples(hf_out), _samples(sg_out)
     assert set(hf) == set(sg) and len(hf) >= 16
     assert _errors(hf_out) == _errors(sg_out) and len(_errors(hf_out)) == 2

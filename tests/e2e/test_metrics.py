@@ -28,7 +28,7 @@ def _value(text: str, name: str, **labels) -> float:
 
 def test_actor_metrics_are_exported(ray_session, harvest_run):
     _, summary = harvest_run
-    p = summary["this_run"]
+    p = summary.this_run
     deadline = time.monotonic() + 60  # Ray exports actor metrics every few seconds
     text = ""
     while time.monotonic() < deadline:

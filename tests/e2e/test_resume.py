@@ -74,5 +74,5 @@ def test_a_rerun_with_the_same_settings_adds_nothing(harvest_run, e2e_input, mak
 
     out, first = harvest_run
     summary = run(make_config(e2e_input, out))
-    assert summary["this_run"].done == 0
-    assert summary["totals"] == first["totals"]
+    assert summary.this_run.done == 0
+    assert summary.totals == first.totals

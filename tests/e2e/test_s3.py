@@ -26,7 +26,7 @@ def test_job_reads_and_writes_s3_then_resumes_there(ray_session, s3_endpoint, e2
     out = "s3://hh-bucket/runs/first"
 
     summary = run(make_config("s3://hh-bucket/in/*.jsonl", out))
-    t = summary["totals"]
+    t = summary.totals
     assert t["input_rows"] == 10 and t["accounted"] == 10 and t["samples_ok"] >= 8
     assert fs.exists("hh-bucket/runs/first/manifest.json")
     shards = fs.glob("hh-bucket/runs/first/shards/*.parquet")
@@ -44,5 +44,5 @@ def test_job_reads_and_writes_s3_then_resumes_there(ray_session, s3_endpoint, e2
     assert samples[0]["aux_hidden_states"].shape[0] == samples[0]["num_tokens"]
 
     again = run(make_config("s3://hh-bucket/in/*.jsonl", out))
-    assert again["this_run"].done == 0
-    assert again["totals"] == t
+    assert again.this_run.done == 0
+    assert again.totals == t

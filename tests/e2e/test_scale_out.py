@@ -44,13 +44,13 @@ def test_two_actors_share_the_work(two_actor_run):
     samples = [a["samples"] for a in per_actor.values()]
     # Batches go to whichever actor has room; both engines are up before the first batch is handed
     # out, so neither may be left with only a token share.
-    assert min(samples) >= summary["totals"]["samples_ok"] // 4, per_actor
-    assert sum(samples) == summary["totals"]["samples_ok"]
+    assert min(samples) >= summary.totals["samples_ok"] // 4, per_actor
+    assert sum(samples) == summary.totals["samples_ok"]
 
 
 def test_two_actors_commit_every_sample_exactly_once(two_actor_run, e2e_input):
     out, summary = two_actor_run
-    t = summary["totals"]
+    t = summary.totals
     ids = [s["sample_id"] for s in open_shards(str(out), as_torch=False)]
     assert len(ids) == len(set(ids)) == t["samples_ok"] > 0
     errors = [

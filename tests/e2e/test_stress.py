@@ -50,7 +50,7 @@ def test_no_sample_is_stored_with_another_samples_states(n, ray_session, make_co
         },
     )
     summary = run(cfg)
-    assert summary["totals"]["samples_ok"] == n and summary["totals"]["errors"] == 0
+    assert summary.totals["samples_ok"] == n and summary.totals["errors"] == 0
     assert verify(str(out)).ok
     stored = {s["sample_id"]: s for s in open_shards(str(out), as_torch=False)}
     assert len(stored) == n

@@ -44,7 +44,7 @@ def test_each_gives_one_sample_per_turn_and_resumes(ray_session, make_config, tm
 
     out = tmp_path / "out"
     cfg = make_config(path, out, **{"extract.turns": "each"})
-    totals = run(cfg)["totals"]
+    totals = run(cfg).totals
     assert totals["input_rows"] == len(lines) + 1
     assert totals["samples"] == sum(turns) + turns[0]
     assert totals["filtered"] == turns[0] and totals["errors"] == 0
@@ -63,6 +63,6 @@ def test_each_gives_one_sample_per_turn_and_resumes(ray_session, make_config, tm
     assert manifest["conversations"]["each"] == len(rows) + 1 and manifest["conversations"]["tokens_each"] > 0
 
     again = run(cfg)
-    assert again["this_run"].ok == 0 and again["totals"] == totals
+    assert again.this_run.ok == 0 and again.totals == totals
     report = verify(str(out))
     assert report.ok, report.problems

@@ -21,7 +21,7 @@ def test_read_dump_round_trip(make_dump, tmp_path):
     assert path == dump_path(tmp_path, "hh-1")
     assert os.listdir(tmp_path) == ["hh-1.hhd"]  # the writer's temporary was renamed away
     cap = read_dump(path)
-    assert cap.header["rid"] == "hh-1" and cap.header["num_tokens"] == 5 and cap.header["nonfinite"] == 0
+    assert cap.header.rid == "hh-1" and cap.header.num_tokens == 5 and cap.header.nonfinite == 0
     assert cap.aux.shape == (2, 12, 5) and cap.last.shape == (2, 4, 5)
     np.testing.assert_array_equal(cap.aux, to_planes(aux))  # the codec's layout, made by the hook
     got_aux, got_last = cap.bits()
@@ -78,7 +78,7 @@ def test_hook_slices_packed_rows_per_request(publish, tmp_path):
     for rid, start, n in (("hh-a", 0, 3), ("hh-c", 5, 4)):
         cap = read_dump(dump_path(tmp_path, rid))
         ids = input_ids[start : start + n].tolist()
-        assert cap.header["num_tokens"] == n and cap.header["prefix_len"] == 0
+        assert cap.header.num_tokens == n and cap.header.prefix_len == 0
         got_aux, got_last = cap.bits()
         np.testing.assert_array_equal(got_aux, as_bits(packed[start : start + n]))
         np.testing.assert_array_equal(got_last, as_bits(hidden[start : start + n]))
@@ -92,7 +92,7 @@ def test_hook_accepts_one_packed_aux_tensor_and_float32(publish, tmp_path):
     cap = read_dump(dump_path(tmp_path, "hh-p"))
     got_aux, got_last = cap.bits()
     np.testing.assert_array_equal(got_aux, aux.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
-    assert cap.header["source_dtype"] == "torch.float32"
+    assert cap.header.source_dtype == "torch.float32"
 
 
 def test_hook_counts_nonfinite_values_per_request(publish, tmp_path):
@@ -102,8 +102,8 @@ def test_hook_counts_nonfinite_values_per_request(publish, tmp_path):
     aux[0][3, 0] = float("inf")
     aux[0][4, 1] = float("-inf")
     publish(["hh-x", "hh-y"], torch.arange(5), hidden, aux, [2, 3])
-    assert read_dump(dump_path(tmp_path, "hh-x")).header["nonfinite"] == 1
-    assert read_dump(dump_path(tmp_path, "hh-y")).header["nonfinite"] == 2
+    assert read_dump(dump_path(tmp_path, "hh-x")).header.nonfinite == 1
+    assert read_dump(dump_path(tmp_path, "hh-y")).header.nonfinite == 2
 
 
 def test_hook_ignores_batches_without_prefixed_rids(publish, tmp_path):
@@ -132,7 +132,7 @@ def test_prefill_chunks_are_assembled_per_request(publish, tmp_path):
     assert sorted(os.listdir(tmp_path)) == [f"{whole}.hhd"]  # the long one is not published half done
     publish([rid], ids[3:], hidden[3:], [a[3:] for a in aux], [4], [3])
     cap = read_dump(dump_path(tmp_path, rid))
-    assert cap.header["num_tokens"] == 7 and cap.header["prefix_len"] == 0
+    assert cap.header.num_tokens == 7 and cap.header.prefix_len == 0
     assert check_capture(cap, ids.tolist(), aux_width=8, hidden_size=4) is None
     got_aux, got_last = cap.bits()
     as_bits = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
@@ -161,3 +161,33 @@ def test_encoding_straight_from_the_file_equals_encoding_the_planes(make_dump, e
     for got, want, b in zip(direct, via_planes, (aux, last)):
         assert got.tobytes() == want.tobytes()
         np.testing.assert_array_equal(codec.decode_bits(got.tobytes(), 300, b.shape[1]), b)
+
+
+def _raw_header(path) -> dict:
+    import json
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    return json.loads(data[8 : 8 + n])
+
+
+def test_the_hook_writes_exactly_the_keys_the_client_reads(make_dump):
+    """The publisher runs inside SGLang and imports nothing of the project, so it spells the header's keys
+    out itself: they must be CaptureHeader's fields (all of them but the optional error)."""
+    from dataclasses import fields
+
+    from actors.dump import CaptureHeader
+
+    rng = np.random.default_rng(3)
+    path = make_dump("hh-k", [1, 2, 3], bits(rng, 3, 12), bits(rng, 3, 4))
+    written = set(_raw_header(path))
+    assert written == {f.name for f in fields(CaptureHeader)} - {"error"}
+    assert read_dump(path).header.to_dict() == {**_raw_header(path), "error": None}
+
+
+def test_a_header_with_a_key_the_client_does_not_know_is_refused(make_dump):
+    rng = np.random.default_rng(4)
+    path = make_dump("hh-u", [1, 2], bits(rng, 2, 12), bits(rng, 2, 4), surprise=1)
+    with pytest.raises(DumpError, match=r"keys this client does not know: \['surprise'\]"):
+        read_dump(path)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 import actors.extractor as extractor_module
-from actors.dump import Capture
+from actors.dump import Capture, CaptureHeader
 from actors.engine import RequestResult
 from actors.extractor import HiddenStateExtractor, _split_exact
 from pipeline.format.codec import to_planes
@@ -103,15 +103,16 @@ class StandInEngine:
         with self.lock:
             del self.in_flight[key]
         n = len(ids)
-        header = {
-            "rid": key,
-            "num_tokens": n,
-            "prefix_len": 0,
-            "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(),
-            "nonfinite": 1 if key in self.nan_keys else 0,
-            "aux_shape": [n, LAYOUT.aux_width],
-            "last_shape": [n, 8],
-        }
+        header = CaptureHeader(
+            rid=key,
+            num_tokens=n,
+            prefix_len=0,
+            ids_sha256=hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(),
+            nonfinite=1 if key in self.nan_keys else 0,
+            aux_shape=(n, LAYOUT.aux_width),
+            last_shape=(n, 8),
+            source_dtype="bfloat16",
+        )
         body = np.concatenate(
             [to_planes(fake_bits(ids, LAYOUT.aux_width)).ravel(), to_planes(fake_bits(ids[::-1], 8)).ravel()]
         )

@@ -67,11 +67,9 @@ def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir
         assert res[key].error is None and cap is not None
         n = len(ids)
         assert (
-            cap.header["num_tokens"] == n
-            and cap.header["aux_shape"] == [n, len(AUX) * h]
-            and cap.header["last_shape"] == [n, h]
+            cap.header.num_tokens == n and cap.header.aux_shape == (n, len(AUX) * h) and cap.header.last_shape == (n, h)
         )
-        assert cap.header["ids_sha256"] == _ids_sha256(np.array(ids))
+        assert cap.header.ids_sha256 == _ids_sha256(np.array(ids))
         aux, last = cap.bits()
         assert aux.shape == (n, len(AUX) * h) and last.shape == (n, h)
         assert check_capture(cap, ids, len(AUX) * h, h) is None
@@ -194,15 +192,15 @@ def test_a_nonfinite_value_is_counted_for_its_request_and_rejects_only_it(engine
         spy.remove()
     assert engine.batches - before == 1 and spy.hits == 1  # all three in one forward, poisoned once
     reasons = {k: check_capture(res[k].capture, ids, len(AUX) * h, h) for k, ids in reqs}
-    assert res["n1"].capture.header["nonfinite"] > 0
+    assert res["n1"].capture.header.nonfinite > 0
     assert "non-finite" in reasons["n1"]
     assert reasons["n0"] is None and reasons["n2"] is None
-    assert res["n0"].capture.header["nonfinite"] == res["n2"].capture.header["nonfinite"] == 0
+    assert res["n0"].capture.header.nonfinite == res["n2"].capture.header.nonfinite == 0
     # The count is exact: every non-finite value the capture holds. Layer 2 (before the NaN) is clean,
     # layer 15 holds the one NaN written; later layers carry it on (attention spreads NaN across the row).
     aux, last = (_bf16(b).numpy() for b in res["n1"].capture.bits())
     bad = ~np.isfinite(aux)
-    assert res["n1"].capture.header["nonfinite"] == bad.sum() + (~np.isfinite(last)).sum()
+    assert res["n1"].capture.header.nonfinite == bad.sum() + (~np.isfinite(last)).sum()
     assert not bad[:, :h].any()
     assert np.argwhere(bad[:, h : 2 * h]).tolist() == [[5, 7]]
 
@@ -223,7 +221,7 @@ def test_a_nonfinite_value_at_a_padded_position_is_not_counted(engine):
         spy.remove()
     assert engine.batches - before == 1 and spy.hits == 1
     for key, ids in reqs:
-        assert res[key].capture.header["nonfinite"] == 0, key
+        assert res[key].capture.header.nonfinite == 0, key
         assert check_capture(res[key].capture, ids, len(AUX) * h, h) is None
     # The same NaN at a real position of that row is counted (the hook does reach the stored tensor).
     spy = _NaNAt(engine, None, reqs[1][1], pos=19)
@@ -231,8 +229,8 @@ def test_a_nonfinite_value_at_a_padded_position_is_not_counted(engine):
         res = _submit_together(engine, reqs)
     finally:
         spy.remove()
-    assert spy.hits == 1 and res["n1"].capture.header["nonfinite"] == 1
-    assert res["n0"].capture.header["nonfinite"] == res["n2"].capture.header["nonfinite"] == 0
+    assert spy.hits == 1 and res["n1"].capture.header.nonfinite == 1
+    assert res["n0"].capture.header.nonfinite == res["n2"].capture.header.nonfinite == 0
 
 
 # ---- bad ids ----------------------------------------------------------------------------------------
@@ -245,7 +243,7 @@ def test_ids_outside_the_vocabulary_negative_or_empty_are_error_results(engine):
     assert res["empty"].capture is None and "no tokens" in res["empty"].error
     assert res["negative"].capture is None and "-1" in res["negative"].error
     assert res["too_big"].capture is None and f"{v} outside the vocabulary" in res["too_big"].error
-    assert res["ok"].error is None and res["ok"].capture.header["num_tokens"] == 4
+    assert res["ok"].error is None and res["ok"].capture.header.num_tokens == 4
     engine.ensure_alive()
     assert engine.healthy()
 
@@ -340,7 +338,7 @@ def test_warm_up_runs_one_full_forward_and_counts_nothing(model_dir):
     with HFEngine(str(model_dir), AUX, max_batch_tokens=512, cpu_threads=2, warmup=True) as eng:
         assert eng.stats()["forwards"] == 0 and eng.stats()["real_tokens"] == 0
         res = eng.submit("a", list(range(1, 40))).result(timeout=120)
-        assert res.error is None and res.capture.header["num_tokens"] == 39
+        assert res.error is None and res.capture.header.num_tokens == 39
         res.capture.release()
         assert eng.stats()["forwards"] == 1 and eng.stats()["real_tokens"] == 39
     assert HFEngine("unused", AUX).warmup is None  # decided at start: the device is known then
@@ -394,7 +392,7 @@ def test_close_resolves_requests_still_waiting(model_dir):
             closer.join(60)
         handle.remove()
     assert not closer.is_alive()
-    assert first.result(timeout=1).error is None and first.result().capture.header["num_tokens"] == 3
+    assert first.result(timeout=1).error is None and first.result().capture.header.num_tokens == 3
     for f in waiting:
         r = f.result(timeout=1)
         assert r.capture is None and r.error == "engine closed before the request ran"

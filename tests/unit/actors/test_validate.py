@@ -74,10 +74,22 @@ def test_largest_finite_bf16_is_not_flagged(capture):
     assert check_capture(capture(last=arr), IDS, AUX_WIDTH, HIDDEN) is None
 
 
-def test_header_without_nonfinite_count_is_rejected(capture):
-    cap = capture()
-    del cap.header["nonfinite"]
-    assert "no non-finite count" in check_capture(cap, IDS, AUX_WIDTH, HIDDEN)
+def test_a_dump_whose_header_lacks_a_key_is_refused_when_read(make_dump):
+    """A hook older than this client (no non-finite count) never reaches validation as a capture."""
+    import json
+    import struct
+
+    from actors.dump import DumpError
+
+    path = make_dump("hh-x", IDS, finite(len(IDS), AUX_WIDTH, 1), finite(len(IDS), HIDDEN, 2))
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8 : 8 + n])
+    del header["nonfinite"]
+    head = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data[8 + n :])
+    with pytest.raises(DumpError, match=r"lacks \['nonfinite'\]"):
+        read_dump(path)
 
 
 def test_prefix_reuse_is_rejected_first(capture):

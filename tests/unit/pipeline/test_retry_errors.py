@@ -1,6 +1,7 @@
 import json
 
-from pipeline.format.manifest import DUPLICATES, committed_totals, reopen_transient_errors
+from pipeline.format.errors import DUPLICATES, reopen_transient_errors
+from pipeline.format.manifest import committed_totals
 from pipeline.format.storage import Store
 
 
