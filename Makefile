@@ -22,7 +22,7 @@ run: install
 	$(BIN)/harvest run conf/default.yaml
 
 test: install
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m "not stress"
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m "not stress" --durations=40
 
 test-stress: install
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m stress -s
