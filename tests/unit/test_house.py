@@ -1,5 +1,6 @@
-"""The house's layers (pyproject.toml [tool.importlinter], ARCHITECTURE.md) hold: import-linter checks every
-import of the project's packages, direct or indirect, including imports inside functions."""
+"""The house holds: its layers (pyproject.toml [tool.importlinter], ARCHITECTURE.md), checked by import-linter
+over every import of the project's packages, direct or indirect, including imports inside functions; and
+the formatter and linter configured beside them."""
 
 from __future__ import annotations
 
@@ -30,3 +31,12 @@ def test_the_code_inside_the_sglang_server_imports_nothing_of_the_project():
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
             assert not {n.split(".")[0] for n in names} & project, (path.name, names)
+
+
+def test_the_code_is_formatted_and_linted_as_pyproject_says():
+    """ruff's formatter and linter (pyproject.toml [tool.ruff]) hold for every file, so a change that drifts
+    from them fails here rather than in review."""
+    ruff = Path(sys.executable).with_name("ruff")
+    for args in (["check", "."], ["format", "--check", "."]):
+        proc = subprocess.run([str(ruff), *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"ruff {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}"
