@@ -20,28 +20,26 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def sets(*overrides: str) -> list[str]:
+    """`--set` arguments for `harvest run`, one per override."""
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
 def harvest_command(input_path, out, *extra: str) -> list[str]:
     """`harvest run` of the default config as a CLI process of its own (its own local Ray on 2 CPUs), small batches."""
-    return [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "run",
-        str(REPO_ROOT / "conf" / "default.yaml"),
-        "--set",
-        f"input.path={input_path}",
-        "--set",
-        f"output.path={out}",
-        "--set",
-        "engine.max_in_flight=4",
-        "--set",
-        "progress.interval_s=2",
-        "--set",
-        "ray.num_cpus=2",
-        "--set",
-        "ray.object_store_memory_mb=300",
-        *extra,
-    ]
+    cli = [sys.executable, "-m", "pipeline.cli", "run", str(REPO_ROOT / "conf" / "default.yaml")]
+    return (
+        cli
+        + sets(
+            f"input.path={input_path}",
+            f"output.path={out}",
+            "engine.max_in_flight=4",
+            "progress.interval_s=2",
+            "ray.num_cpus=2",
+            "ray.object_store_memory_mb=300",
+        )
+        + list(extra)
+    )
 
 
 def stored_blocks(aux, last, k: int) -> list:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import open_shards
 from pipeline.format.storage import Store
 from pipeline.tools.verify import verify
+from tests_support import harvest_command, sets
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -80,29 +80,9 @@ def test_job_under_faults_stores_every_clean_sample_once(e2e_input, harvest_outp
     """The whole job with every fault on: all samples stored exactly once (the fault-free run's samples),
     verify passes, and each stored sample is within bf16 noise of a float32 forward of its own tokens."""
     out, log = tmp_path / "out", tmp_path / "faults.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "run",
-        str(REPO / "conf" / "default.yaml"),
-        "--set",
-        f"input.path={e2e_input}",
-        "--set",
-        f"output.path={out}",
-        "--set",
-        "extract.batch_size=8",
-        "--set",
-        "engine.max_in_flight=4",
-        "--set",
-        "extract.retries=5",
-        "--set",
-        "engine.dump_timeout_s=1.5",
-        "--set",
-        "ray.num_cpus=2",
-        "--set",
-        "ray.object_store_memory_mb=300",
-    ]
+    cmd = harvest_command(
+        e2e_input, out, *sets("extract.batch_size=8", "extract.retries=5", "engine.dump_timeout_s=1.5")
+    )
     env = dict(os.environ, RAY_ADDRESS="", **fault_env(log))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

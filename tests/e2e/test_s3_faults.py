@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -19,33 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from tests_support import harvest_command, sets
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = ("hh-test-secret", "hh-test-key")
 
 
 def _harvest(src, out) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "run",
-        str(REPO / "conf" / "default.yaml"),
-        "--set",
-        f"input.path={src}",
-        "--set",
-        f"output.path={out}",
-        "--set",
-        "extract.batch_size=3",
-        "--set",
-        "engine.max_in_flight=4",
-        "--set",
-        "engine.batches_per_actor=1",
-        "--set",
-        "ray.num_cpus=2",
-        "--set",
-        "ray.object_store_memory_mb=300",
-    ]
+    return harvest_command(src, out, *sets("extract.batch_size=3", "engine.batches_per_actor=1"))
 
 
 def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(s3_chaos, e2e_input, tmp_path):
