@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
         else f"{samples:,} samples from {t['input_rows']:,} input rows"
     )
     lines = [
-        f"output: {summary['output']}",
+        f"output: {summary.output}",
         f"this run: {p.ok:,} ok, {p.errors:,} errors, {p.filtered:,} filtered, {p.tokens:,} tokens, "
         f"{human_bytes(p.bytes)} ({p.bytes:,} bytes) committed",
         f"output totals: {t['samples_ok']:,} ok + {t['errors']:,} errors + {t['filtered']:,} filtered = "
