@@ -29,10 +29,14 @@ ALL_FAULTS = "wrong_count:0.07,wrong_rid:0.1,truncated:0.07,nan:0.07,missing:0.0
 
 
 def fault_env(log: Path) -> dict:
+    # A late dump appears LATE_S after the hook ran; the client waits dump_timeout_s (1.5 s) after the HTTP
+    # answer, which leaves the hook a moment later. With 3 s, a busy machine that delivered one answer more
+    # than 1.5 s after its forward saw the late dump inside the client's wait: accepted, rightly (it is that
+    # request's own data), but then not a fault the client could catch. 10 s keeps every late dump late.
     return {
         "HIDDEN_HARVEST_FAULTS": ALL_FAULTS,
         "HIDDEN_HARVEST_FAULT_LOG": str(log),
-        "HIDDEN_HARVEST_FAULT_LATE_S": "3",
+        "HIDDEN_HARVEST_FAULT_LATE_S": "10",
     }
 
 
@@ -66,7 +70,8 @@ def test_every_injected_fault_is_caught_and_retried(model_dir, references, tmp_p
     injected = [json.loads(line) for line in log.read_text().splitlines()]
     kinds = {f["fault"] for f in injected}
     caught = [f for f in injected if f["rid"] in rejected_rids and f["rid"] not in accepted_rids]
-    print(f"faults caught / injected: {len(caught)} / {len(injected)} ({sorted(kinds)})")
+    missed = [f for f in injected if f not in caught]
+    print(f"faults caught / injected: {len(caught)} / {len(injected)} ({sorted(kinds)}); missed: {missed}")
     assert len(caught) == len(injected) and len(injected) >= 10
     assert kinds == {"wrong_count", "wrong_rid", "truncated", "nan", "missing", "late", "kill"}
     assert set(accepted) == set(todo)  # every sample got through in the end
