@@ -86,7 +86,9 @@ class Faults:
             return False
         elif kind == "late":
             data = [b"".join(bytes(b) for b in body)]  # the host buffer is reused before the timer fires
-            threading.Timer(self.late_s, write, (dict(header), data)).start()
+            timer = threading.Timer(self.late_s, write, (dict(header), data))
+            timer.daemon = True  # a late dump never holds up the server's exit
+            timer.start()
             return False
         elif kind == "kill":
             self.kill_server()
