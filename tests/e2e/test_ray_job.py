@@ -65,7 +65,8 @@ def ray_head(tmp_path):
             pytest.fail("Ray head's dashboard did not come up")
         yield address, env
     finally:
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        # The job has ended: nothing of this cluster is worth a graceful stop, which took ~30 s.
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
             try:
                 os.killpg(head.pid, sig)
                 head.wait(timeout=wait)
