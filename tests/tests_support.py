@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import sys
 from pathlib import Path
@@ -91,6 +92,8 @@ class References:
         return assert_within_bf16_noise(what, stored_blocks(aux, last, len(aux_layers)), truth, yard, names)
 
     def close(self) -> None:
+        """Free the models (results stay cached); the next `layers()` loads them again."""
         for r in self._refs.values():
             r.close()
         self._refs.clear()
+        gc.collect()
