@@ -28,7 +28,14 @@ from patches.sglang import server_pythonpath
 logger = logging.getLogger(__name__)
 
 RID_PREFIX = "hh-"
-CPU_MEM_FRACTION = "0.2"
+# CPU mode: SGLang sizes the KV pool as (free memory after loading) - (1 - fraction) x (free memory before
+# loading), and refuses to start when that is not positive, i.e. when loading took more than `fraction` of
+# what was free. On a CPU host the loading is not alone: a second actor's server, the test's or notebook's
+# own models, Ray's object store allocate meanwhile. A fixed 0.2 failed a start whenever they took ~20 % of
+# free memory (a suite run did). A generous fraction tolerates them; the pool itself is capped in tokens
+# (--max-total-tokens), so the generous fraction does not turn into a pool of half the machine.
+CPU_MEM_FRACTION = "0.6"
+CPU_KV_TOKENS = 131072  # 16 requests of 8192 tokens; ~3 GB for the default model (23 KB/token)
 
 # Flags the engine owns; a user flag naming one of them is refused.
 _OWNED_FLAGS = (
@@ -112,13 +119,18 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         ]
     if not spec.cpu:
         cmd += ["--disable-prefill-cuda-graph"]  # SGLang 0.5.23 captures prefill graphs on CUDA by default
+    # SGLang's scheduler polls its sockets without pause when it has nothing to run: a whole core per
+    # idle server (99 % measured on the CPU), taken from the actor's validation and encoding between
+    # batches, from a second actor's server, from everything else on a small machine. With this flag it
+    # blocks on the same sockets while idle and wakes as a request arrives.
+    cmd += ["--sleep-on-idle"]
     if spec.cpu:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
-        # SGLang sizes the KV cache as (free memory after loading) - (1 - fraction) x (free memory before);
-        # its GPU default leaves nothing on a CPU host, and a small fraction fails the start whenever another
-        # process (a second actor's server starting beside this one) takes that much memory meanwhile.
-        if not any(f.split("=")[0] in ("--mem-fraction-static", "--max-total-tokens") for f in spec.extra_flags):
+        user = {f.split("=")[0] for f in spec.extra_flags}
+        if "--mem-fraction-static" not in user:
             cmd += ["--mem-fraction-static", CPU_MEM_FRACTION]
+            if "--max-total-tokens" not in user:
+                cmd += ["--max-total-tokens", str(CPU_KV_TOKENS)]
     return cmd
 
 

@@ -70,14 +70,6 @@ def test_a_killed_server_is_restarted(engine):
     assert res.error is None and check_capture(res.capture, _ids(50, 4), 3 * 576, 576) is None
 
 
-def test_close_stops_the_server_and_removes_dumps(model_dir):
-    eng = SGLangEngine({"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True}, 2, 120).start()
-    proc, dump_dir = eng.server._proc, eng.spec.dump_dir
-    eng.close()
-    assert proc.poll() is not None
-    assert not dump_dir.exists()
-
-
 _ORPHAN = """
 import sys, time
 from pathlib import Path
@@ -116,7 +108,8 @@ def test_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
 def test_prompts_longer_than_a_prefill_chunk_come_out_whole(engine, model_dir, references):
     """Chunked prefill stays on: the hook assembles the chunks by request id, mixed with short prompts in
     the same batches; both it and the unchunked capture of the module's engine are within bf16 noise of a
-    float32 forward, and the two agree closely (the bit-identical share is printed)."""
+    float32 forward, and the two agree closely (the bit-identical share is printed). Leaving the engine's
+    `with` block (close()) stops its server and removes its private dump directory."""
     requests = {
         "long-a": _ids(700, 11),
         "short-a": _ids(9, 12),
@@ -128,6 +121,9 @@ def test_prompts_longer_than_a_prefill_chunk_come_out_whole(engine, model_dir, r
         {"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "chunked_prefill_size": 128}, 4, 300
     ) as chunked:
         got = chunked.capture(list(requests.items()))
+        proc, dump_dir = chunked.server._proc, chunked.spec.dump_dir
+    assert proc.poll() is not None
+    assert not dump_dir.exists()
     want = engine.capture(list(requests.items()))  # chunk size 8192: every prompt in one pass
     same = total = 0
     for key, ids in requests.items():

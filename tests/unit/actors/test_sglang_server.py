@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.sglang.server import RID_PREFIX, ServerSpec, build_command, build_env
+from actors.sglang.server import CPU_KV_TOKENS, CPU_MEM_FRACTION, RID_PREFIX, ServerSpec, build_command, build_env
 
 PATCH_ROOT = Path(__file__).resolve().parents[3] / "patches" / "sglang" / "v0_5_23"
 
@@ -83,15 +83,37 @@ def test_cpu_flags_only_in_cpu_mode():
         assert flag not in gpu
 
 
+def test_cpu_kv_pool_tolerates_other_allocations_and_is_capped_in_tokens():
+    cmd = build_command(spec(cpu=True), 1)
+    # A fraction well above what two servers starting side by side take from each other meanwhile...
+    assert float(value_after(cmd, "--mem-fraction-static")[0]) >= 0.5
+    # ...and the pool bounded in tokens, not by that fraction of the machine.
+    assert value_after(cmd, "--max-total-tokens") == [str(CPU_KV_TOKENS)]
+    gpu = build_command(spec(cpu=False), 1)
+    assert "--max-total-tokens" not in gpu and "--mem-fraction-static" not in gpu
+
+
 @pytest.mark.parametrize(
-    "flags",
-    [("--mem-fraction-static", "0.3"), ("--mem-fraction-static=0.3",), ("--max-total-tokens", "4096")],
+    "flags, fraction",
+    [
+        (("--mem-fraction-static", "0.3"), None),
+        (("--mem-fraction-static=0.3",), None),
+        (("--max-total-tokens", "4096"), CPU_MEM_FRACTION),
+    ],
 )
-def test_default_mem_fraction_only_when_user_sets_none(flags):
-    assert value_after(build_command(spec(cpu=True), 1), "--mem-fraction-static") == ["0.2"]
+def test_user_memory_flags_replace_the_defaults(flags, fraction):
     cmd = build_command(spec(cpu=True, extra_flags=flags), 1)
-    assert "0.2" not in cmd
-    assert sum(f.split("=")[0] == "--mem-fraction-static" for f in cmd) == (0 if "--max-total-tokens" in flags else 1)
+    names = [f.split("=")[0] for f in cmd]
+    # One fraction: the user's, or ours beside their token cap; never our cap beside their flag.
+    assert names.count("--mem-fraction-static") == 1
+    assert (CPU_MEM_FRACTION in cmd) == (fraction is not None)
+    assert names.count("--max-total-tokens") <= 1 and str(CPU_KV_TOKENS) not in cmd
+
+
+def test_idle_servers_sleep():
+    # An idle SGLang scheduler otherwise polls its sockets at 100 % of a core.
+    assert "--sleep-on-idle" in build_command(spec(cpu=True), 1)
+    assert "--sleep-on-idle" in build_command(spec(cpu=False), 1)
 
 
 def test_env_puts_hook_first_and_standin_only_on_cpu(monkeypatch):
