@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-stress test-unit bench clean
+.PHONY: install run test test-long test-stress test-unit bench clean
 
 # torch/torchvision first (SGLang's pinned CUDA build, which also runs on CPU), then the complete
 # pinned set without resolution: sglang's metadata asks for CUDA-only kernels that CPU mode never imports.
@@ -22,10 +22,13 @@ run: install
 	$(BIN)/harvest run conf/default.yaml
 
 test: install
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m "not stress" --durations=40
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m "not stress and not long" --durations=40
 
 test-stress: install
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m stress -s
+
+test-long: install
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -m long --durations=20
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit -q

@@ -113,7 +113,7 @@ EngineConfig = Annotated[SGLangEngineConfig | HFEngineConfig, Field(discriminato
 
 class ExtractConfig(_Strict):
     # Decoder layer ids whose output is captured ("output of decoder layer i" = HF hidden_states[i+1]).
-    # None: SGLang's EAGLE-3 default for the model, [2, L//2, L-3].
+    # None: EAGLE-3's default layers, [1, L//2-1, L-4] = HF hidden_states[2, L//2, L-3] (pipeline/driver/plan.py).
     aux_layers: tuple[int, ...] | None = None
     max_tokens: int = Field(2048, ge=1)
     # What to do with a sample longer than max_tokens.

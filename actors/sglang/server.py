@@ -63,6 +63,7 @@ _OWNED_FLAGS = (
 @dataclass(frozen=True)
 class ServerSpec:
     model_dir: Path
+    # Decoder layer outputs to capture (HF hidden_states[i+1]); () leaves SGLang's own EAGLE-3 default.
     aux_layers: tuple[int, ...]
     dump_dir: Path
     tp_size: int = 1
@@ -114,9 +115,10 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
             "--enable-return-aux-hidden-states",
             "--speculative-algorithm",
             "EAGLE3",
-            "--return-aux-hidden-state-layer-ids",
-            *[str(i) for i in spec.aux_layers],
         ]
+        # No ids: SGLang's own EAGLE-3 default layers; the test that pins our default against it uses that.
+        if spec.aux_layers:
+            cmd += ["--return-aux-hidden-state-layer-ids", *[str(i) for i in spec.aux_layers]]
     if not spec.cpu:
         cmd += ["--disable-prefill-cuda-graph"]  # SGLang 0.5.23 captures prefill graphs on CUDA by default
     # SGLang's scheduler polls its sockets without pause when it has nothing to run: a whole core per

@@ -28,8 +28,15 @@ class Plan:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """SGLang's EAGLE-3 default capture layers."""
-    return (2, num_layers // 2, num_layers - 3)
+    """The layers EAGLE-3 drafts read by default, in our ids (output of decoder layer i = HF hidden_states[i+1]).
+
+    SGLang's own default (no ids given) captures the *input* of layers [2, L//2, L-3], i.e. HF
+    hidden_states[2, L//2, L-3]; SpecForge's [1, L//2-1, L-4] (0-based outputs) and speculators'
+    [2, L//2, L-3] (HF indices) are the same layers. Ids passed with --return-aux-hidden-state-layer-ids
+    are outputs (SGLang adds one), so the same layers are outputs [1, L//2-1, L-4]. A draft trained on
+    other layers than those its serving config reads without naming them is silently wrong.
+    """
+    return (1, num_layers // 2 - 1, num_layers - 4)
 
 
 def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
@@ -44,8 +51,13 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
     except (OSError, ValueError, KeyError) as e:
         raise PlanError(f"model.path {cfg.model.path!r} cannot be used: {type(e).__name__}: {e}") from None
     aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
-    if max(aux) >= n_layers:
+    if max(aux) >= n_layers or min(aux) < 0:
         raise PlanError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
+    if len(set(aux)) != len(aux):  # only the default can (conf/schema.py refuses repeated ids): fewer than 8 layers
+        raise PlanError(
+            f"the default aux layers {list(aux)} name a layer twice (the model has {n_layers} layers); "
+            "set extract.aux_layers to distinct layer ids"
+        )
     layout = ShardLayout(tuple(aux), hidden, cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state)
     cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
     settings = {

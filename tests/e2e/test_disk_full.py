@@ -1,13 +1,16 @@
-"""The output's disk fills up mid-run: a real ENOSPC from the filesystem, no partial shard committed, one
-clear line, and a rerun after space is freed completes with every sample exactly once.
+"""The output's disk fills up: a real ENOSPC from the filesystem, no partial shard committed, one clear line.
 
 The output lives on a small tmpfs mounted in a user + mount namespace (`unshare`, no root needed where
-unprivileged user namespaces are allowed); another process fills it once the first shard is committed.
-Skipped, saying why, where the kernel does not allow that.
+unprivileged user namespaces are allowed). Skipped, saying why, where the kernel does not allow that.
+
+- In the suite: the shard writer itself fills a 1 MiB tmpfs (seconds).
+- Marked `long` (make test-long): the whole job, whose disk another process fills once the first shard is
+  committed, then a rerun after space is freed that completes with every sample exactly once.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,6 +23,37 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+
+# Inside the namespace: shards of random samples until the 1 MiB disk is full; what is left is reported as JSON
+# (the tmpfs is gone once the namespace ends).
+WRITER = r"""
+import json, os, sys
+import numpy as np
+import pyarrow.parquet as pq
+from pipeline.driver.failures import failure_message
+from pipeline.format.shards import ShardLayout, encode_bits, shard_name, write_shard
+from pipeline.format.storage import TMP_PREFIX, Store
+
+out = sys.argv[1]
+store, layout, rng = Store(out), ShardLayout((1, 2, 3), 64, encoding="raw"), np.random.default_rng(0)
+committed, error = [], None
+for k in range(100):
+    samples = []
+    for i in range(4):
+        t = 300
+        bits = lambda w: rng.integers(0, 0x7F00, (t, w), dtype=np.uint16)
+        sid = f"s{k}-{i}"
+        samples.append(encode_bits(sid, list(range(t)), [1] * t, bits(layout.aux_width), bits(64), layout))
+    try:
+        committed.append(write_shard(store, samples, layout)[0])
+    except OSError as e:
+        error = {"errno": e.errno, "message": failure_message(e)}
+        break
+files = sorted(os.listdir(os.path.join(out, "shards")))
+whole = [f"shards/{f}" == shard_name(pq.read_table(os.path.join(out, "shards", f), columns=["sample_id"])["sample_id"].to_pylist())
+         for f in files if not f.startswith(TMP_PREFIX)]
+print(json.dumps({"committed": committed, "files": files, "whole": whole, "error": error}))
+"""
 
 SCRIPT = r"""
 set -u
@@ -47,9 +81,39 @@ def _namespaces_work() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(
+NEEDS_NAMESPACES = pytest.mark.skipif(
     not _namespaces_work(), reason="needs unprivileged user + mount namespaces (unshare) for a real tmpfs"
 )
+
+
+@NEEDS_NAMESPACES
+def test_a_full_disk_during_a_shard_write_leaves_no_partial_shard_and_one_clear_line(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f'mount -t tmpfs -o size=1m tmpfs "{disk}" || exit 90; exec "{sys.executable}" -c "$WRITER" "{disk}/out"'
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script],
+        cwd=REPO,
+        env=dict(os.environ, WRITER=WRITER, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["error"] is not None, "the disk never filled"
+    assert got["error"]["errno"] == errno.ENOSPC
+    message = got["error"]["message"]
+    assert message.startswith("the run failed: OSError: [Errno 28] ") and "No space left on device" in message
+    assert "free space and rerun the same command" in message
+    # What was committed before is there, whole; the shard being written when the disk filled is not, not even
+    # as a temporary.
+    assert got["committed"] and [f"shards/{f}" for f in got["files"]] == sorted(got["committed"])
+    assert all(got["whole"]) and len(got["whole"]) == len(got["committed"])
+
+
+@pytest.mark.long
+@NEEDS_NAMESPACES
 def test_disk_full_during_a_shard_write_then_rerun_after_freeing_space(e2e_input, tmp_path):
     from pipeline.format.shards import shard_name
     from pipeline.tools.verify import verify

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -14,14 +15,22 @@ import pytest
 
 from actors.sglang.engine import SGLangEngine
 from actors.validate import check_capture
+from pipeline.driver.plan import default_aux_layers
 
 pytestmark = pytest.mark.slow
 
 
+# The job's default layers for the model (30 layers): (1, 14, 26), HF hidden_states[2, 15, 27].
+AUX = default_aux_layers(30)
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir):
+    """A server that names no layers: SGLang's own EAGLE-3 default capture. Every capture of it is checked
+    against float32 HF states of the job's default layers (AUX), so these tests also pin our default to the
+    layers EAGLE-3 serving reads when a draft config names none (a neighbouring layer fails the rule)."""
     eng = SGLangEngine(
-        {"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "startup_timeout_s": 600},
+        {"model_dir": model_dir, "aux_layers": (), "cpu": True, "startup_timeout_s": 600},
         max_in_flight=4,
         request_timeout_s=300,
     )
@@ -52,9 +61,21 @@ def test_results_are_realigned_by_id_and_repeats_are_not_truncated(engine, refer
         assert res.capture.aux.shape == (2, 3 * 576, len(ids)) and res.capture.last.shape == (2, 576, len(ids))
         # Each its own prompt's states, the repeat too: within bf16 noise of a float32 forward of the prompt.
         # (Not bit for bit: the two may run in different forwards, whose bf16 rounding differs.)
-        references.check(key, (2, 15, 27), ids, *res.capture.bits())
+        references.check(key, AUX, ids, *res.capture.bits())
     assert engine.healthy()
     assert not [p for p in engine.spec.dump_dir.iterdir() if p.suffix == ".hhd"]  # every dump consumed
+
+
+def test_the_server_listens_on_loopback_only_and_dumps_into_a_private_directory(engine):
+    import psutil
+
+    server = psutil.Process(engine.server._proc.pid)
+    group = [server] + server.children(recursive=True)
+    listening = [c.laddr for p in group for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening and {a.ip for a in listening} <= {"127.0.0.1", "::1"}, listening
+    dump_dir = engine.spec.dump_dir
+    assert stat.S_IMODE(dump_dir.stat().st_mode) == 0o700 and dump_dir.name.startswith("hidden-harvest-")
+    assert server.environ()["HIDDEN_HARVEST_DUMP_DIR"] == str(dump_dir)
 
 
 def test_a_killed_server_is_restarted(engine):
@@ -118,19 +139,20 @@ def test_prompts_longer_than_a_prefill_chunk_come_out_whole(engine, model_dir, r
         "long-c": _ids(130, 15),
     }
     with SGLangEngine(
-        {"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "chunked_prefill_size": 128}, 4, 300
+        {"model_dir": model_dir, "aux_layers": AUX, "cpu": True, "chunked_prefill_size": 128}, 4, 300
     ) as chunked:
         got = chunked.capture(list(requests.items()))
         proc, dump_dir = chunked.server._proc, chunked.spec.dump_dir
     assert proc.poll() is not None
     assert not dump_dir.exists()
-    want = engine.capture(list(requests.items()))  # chunk size 8192: every prompt in one pass
+    # Chunk size 8192, every prompt in one pass; and SGLang's default layers where `chunked` names ours.
+    want = engine.capture(list(requests.items()))
     same = total = 0
     for key, ids in requests.items():
         assert got[key].error is None, got[key].error
         assert check_capture(got[key].capture, ids, 3 * 576, 576) is None  # count, hash, prefix 0, shapes, finite
-        references.check(f"{key} chunked", (2, 15, 27), ids, *got[key].capture.bits())
-        references.check(f"{key} unchunked", (2, 15, 27), ids, *want[key].capture.bits())
+        references.check(f"{key} chunked", AUX, ids, *got[key].capture.bits())
+        references.check(f"{key} unchunked, SGLang's default layers", AUX, ids, *want[key].capture.bits())
         for g, w in zip(got[key].capture.bits(), want[key].capture.bits()):
             same, total = same + int((g == w).sum()), total + g.size
     # Not bit for bit: attention over a cached prefix adds in another order than over the whole prompt.

@@ -81,6 +81,9 @@ def test_every_injected_fault_is_caught_and_retried(model_dir, references, tmp_p
         references.check(key, (2, 15, 27), ids, *bits[key])
 
 
+# ~3 minutes here (its own Ray and server, a server restart, the retries). In the suite, in small: every fault
+# caught at the engine (above), an actor killed mid-run and its batch retried (test_scale_out.py).
+@pytest.mark.long
 def test_job_under_faults_stores_every_clean_sample_once(e2e_input, harvest_output, references, tmp_path):
     """The whole job with every fault on: all samples stored exactly once (the fault-free run's samples),
     verify passes, and each stored sample is within bf16 noise of a float32 forward of its own tokens."""

@@ -1,9 +1,11 @@
-"""A flaky object store, then one that vanishes mid-run: retries absorb the errors, the vanished endpoint
-ends the run with one clear line after bounded retries, and a rerun completes with every sample exactly
-once. Credentials appear nowhere: not in what the job prints or logs, not in the output, not in Ray's logs.
+"""A flaky object store, then one that vanishes: retries absorb the errors, the vanished endpoint ends with one
+clear line after bounded retries, and nothing partial is left. Writes go to S3 (moto's real HTTP server)
+through tests/s3_chaos.py's proxy, which answers a share of requests `503 SlowDown` and can close its port.
 
-The job writes to S3 (moto's real HTTP server) through tests/s3_chaos.py's proxy, which answers a share of
-requests `503 SlowDown` and can close its port.
+- In the suite: the shard writer itself, in this process (seconds).
+- Marked `long` (make test-long): the whole job mid-run, then a rerun that completes with every sample
+  exactly once; credentials appear nowhere (not printed or logged by the job, not in the output, not in
+  Ray's logs).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests_support import harvest_command, sets
@@ -29,6 +32,52 @@ def _harvest(src, out) -> list[str]:
     return harvest_command(src, out, *sets("extract.batch_size=3", "engine.batches_per_actor=1"))
 
 
+def test_shard_writes_absorb_a_flaky_store_and_fail_cleanly_when_it_vanishes(s3_chaos):
+    import s3fs
+
+    from pipeline.driver.failures import failure_message
+    from pipeline.format.shards import ShardLayout, encode_bits, read_token_columns, write_shard
+    from pipeline.format.storage import Store
+
+    proxy, direct = s3_chaos
+    behind = s3fs.S3FileSystem(endpoint_url=direct)  # moto itself, never through the proxy
+    behind.mkdir("hh-chaos-small")
+    layout, rng = ShardLayout((1, 2, 3), 32), np.random.default_rng(0)
+
+    def shard(k):
+        bits = lambda t, w: rng.integers(0, 0x7F00, (t, w), dtype=np.uint16)  # noqa: E731
+        return [encode_bits(f"s{k}-{i}", [i] * 40, [1] * 40, bits(40, 96), bits(40, 32), layout) for i in range(3)]
+
+    store = Store("s3://hh-chaos-small/run")
+    proxy.error_rate = 0.3
+    try:
+        names = [write_shard(store, shard(k), layout)[0] for k in range(4)]
+    finally:
+        proxy.error_rate = 0.0
+    assert proxy.errors_served > 0  # retries absorbed these
+    ids = [sid for t in read_token_columns("s3://hh-chaos-small/run") for sid in t["sample_id"].to_pylist()]
+    assert sorted(ids) == sorted(f"s{k}-{i}" for k in range(4) for i in range(3))
+
+    proxy.down()
+    started = time.monotonic()
+    try:
+        with pytest.raises(Exception) as failed:
+            write_shard(store, shard(9), layout)
+    finally:
+        proxy.up()
+    assert time.monotonic() - started < 120, "retries must be bounded"
+    message = failure_message(failed.value)
+    # The root cause, named: botocore's EndpointConnectionError, or below it the refused connection itself.
+    assert message.startswith(
+        ("the run failed: EndpointConnectionError: ", "the run failed: ConnectionRefusedError: [Errno 111]")
+    ), message
+    assert "rerun the same command" in message
+    assert not [secret for secret in SECRETS if secret in message]
+    left = behind.find("hh-chaos-small/run", refresh=True)
+    assert sorted(p.rsplit("/", 1)[1] for p in left) == sorted(n.rsplit("/", 1)[1] for n in names)  # nothing partial
+
+
+@pytest.mark.long
 def test_flaky_then_vanished_s3_fails_cleanly_and_a_rerun_completes(s3_chaos, e2e_input, tmp_path):
     """Each run is a CLI process with its own local Ray (as a user runs it); the proxy lives in this process."""
     import s3fs

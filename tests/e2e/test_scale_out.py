@@ -67,3 +67,45 @@ def test_two_actors_commit_every_sample_exactly_once(two_actor_run, e2e_input):
     )
     report = verify(str(out))
     assert report.ok, report.problems
+
+
+def test_an_actor_killed_mid_run_is_restarted_and_its_batch_retried(ray_session, e2e_input, make_config, tmp_path):
+    """kill -9 of the extractor actor once the first shard is committed (the transformers engine: a restart costs a
+    model load, not a server start): Ray restarts it and retries its batch, and every input row is accounted
+    for once. The whole-job version with the SGLang engine is tests/e2e/test_actor_faults.py (make test-long)."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from pipeline.driver.job import run
+
+    out = tmp_path / "out"
+    cfg = make_config(e2e_input, out, **{"engine.name": "hf", "engine.cpu_threads": 1, "extract.batch_size": 2})
+    killed: list[int] = []
+    started = time.time()
+
+    def kill_once_a_shard_is_committed():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not list((out / "shards").glob("part-*.parquet")):
+            time.sleep(0.2)
+        for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
+            if "HiddenStateExtractor" in " ".join(p.info["cmdline"] or []) and p.info["create_time"] >= started - 1:
+                p.send_signal(signal.SIGKILL)
+                killed.append(p.info["pid"])
+
+    killer = threading.Thread(target=kill_once_a_shard_is_committed, daemon=True)
+    killer.start()
+    summary = run(cfg)
+    killer.join(timeout=5)
+    assert len(killed) == 1, killed  # the run's one actor, killed while it worked
+    t = summary.totals
+    rows = [line for line in e2e_input.read_text().splitlines() if line.strip()]
+    assert t["accounted"] == t["input_rows"] == len(rows)
+    ids = [s["sample_id"] for s in open_shards(str(out), as_torch=False)]
+    assert len(ids) == len(set(ids)) == t["samples_ok"] > 0
+    per_actor = read_manifest(Store(str(out)))["last_run"]["per_actor"]
+    assert [a for a in per_actor if not a.endswith(f":{killed[0]}")], per_actor  # its restart did the rest
+    report = verify(str(out))
+    assert report.ok, report.problems

@@ -35,7 +35,7 @@ def write_input(path, n: int) -> dict[str, list[int]]:
     return samples
 
 
-@pytest.mark.parametrize("n", [pytest.param(240, id="fast"), pytest.param(1200, id="full", marks=pytest.mark.stress)])
+@pytest.mark.parametrize("n", [pytest.param(128, id="fast"), pytest.param(1200, id="full", marks=pytest.mark.stress)])
 def test_no_sample_is_stored_with_another_samples_states(n, ray_session, make_config, references, tmp_path):
     samples = write_input(tmp_path / "stress.jsonl", n)
     out = tmp_path / "out"

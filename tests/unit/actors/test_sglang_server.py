@@ -9,7 +9,8 @@ PATCH_ROOT = Path(__file__).resolve().parents[3] / "patches" / "sglang" / "v0_5_
 
 
 def spec(**kw) -> ServerSpec:
-    return ServerSpec(model_dir=Path("/models/m"), aux_layers=(2, 15, 27), dump_dir=Path("/dev/shm/d"), **kw)
+    kw.setdefault("aux_layers", (2, 15, 27))
+    return ServerSpec(model_dir=Path("/models/m"), dump_dir=Path("/dev/shm/d"), **kw)
 
 
 def value_after(cmd: list[str], flag: str, n: int = 1) -> list[str]:
@@ -57,6 +58,12 @@ def test_command_always_disables_truncating_features(cpu):
     assert value_after(cmd, "--port") == ["4321"]
     assert value_after(cmd, "--host") == ["127.0.0.1"]
     assert value_after(cmd, "--tp-size") == ["1" if cpu else "2"]
+
+
+def test_no_layer_ids_leaves_sglangs_own_eagle3_default():
+    cmd = build_command(spec(aux_layers=()), 1)
+    assert "--enable-return-aux-hidden-states" in cmd and value_after(cmd, "--speculative-algorithm") == ["EAGLE3"]
+    assert "--return-aux-hidden-state-layer-ids" not in cmd
 
 
 def test_chunked_prefill_size_is_the_engines_setting():

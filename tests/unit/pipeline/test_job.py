@@ -1,12 +1,17 @@
+import re
+
 import pyarrow as pa
+import pytest
 
 from pipeline.driver.job import conversation_summary, find_duplicates
 from pipeline.driver.plan import default_aux_layers, make_plan
 
 
 def test_default_aux_layers():
-    assert default_aux_layers(30) == (2, 15, 27)
-    assert default_aux_layers(32) == (2, 16, 29)
+    # HF hidden_states[2, L//2, L-3]: SGLang's EAGLE-3 default, SpecForge's and speculators'.
+    assert default_aux_layers(30) == (1, 14, 26)
+    assert default_aux_layers(32) == (1, 15, 28)
+    assert default_aux_layers(36) == (1, 17, 32)
 
 
 def table(rows):
@@ -80,3 +85,24 @@ def test_turns_policy_and_template_kwargs_are_data_settings(repo_root):
     a, b = make_plan(base, 0).settings, make_plan(other, 0).settings
     assert (a["turns"], a["template_kwargs"]) == ("auto", {})
     assert (b["turns"], b["template_kwargs"]) == ("each", {"enable_thinking": False})
+
+
+@pytest.mark.parametrize("layers", [6, 4])
+def test_default_aux_layers_that_collide_on_a_small_model_are_refused_before_the_run(repo_root, monkeypatch, layers):
+    from conf import load_config
+    from pipeline.driver import plan
+    from pipeline.intake import model
+
+    monkeypatch.setattr(model, "num_hidden_layers", lambda _: layers)
+    with pytest.raises(
+        plan.PlanError, match=r"the default aux layers \[.*\] name a layer twice .*set extract.aux_layers"
+    ):
+        make_plan(load_config(repo_root / "conf" / "default.yaml"), 0)
+
+
+def test_aux_layers_beyond_the_model_are_refused_before_the_run(repo_root):
+    from conf import load_config
+    from pipeline.driver.plan import PlanError
+
+    with pytest.raises(PlanError, match=re.escape("extract.aux_layers [2, 30]: the model has layers 0..29")):
+        make_plan(load_config(repo_root / "conf" / "default.yaml", ["extract.aux_layers=[2, 30]"]), 0)
