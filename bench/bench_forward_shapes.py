@@ -70,10 +70,17 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16384)
     ap.add_argument("--bucket", type=int, default=256)
     ap.add_argument("--modes", default="exact,bucketed,warm")
+    # Python's GIL switch interval (s) for the contended mode: how long the forward thread may wait per launch.
+    ap.add_argument("--switch-interval", type=float, default=None)
     args = ap.parse_args()
+
+    import sys
 
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     dims = {
         "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32),
@@ -92,6 +99,7 @@ def main() -> None:
         "machine": torch.cuda.get_device_name(0),
         "date": time.strftime("%Y-%m-%d"),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "switch_interval_s": sys.getswitchinterval(),
         "model": {"family": "qwen3", **dims, "num_key_value_heads": 8, "weights": "random init, bf16"},
         "prompts": {"count": len(lengths), "tokens": real, "min": min(lengths), "max": max(lengths)},
         "budget_tokens": args.budget,
