@@ -35,7 +35,12 @@ def write_input(path, n: int) -> dict[str, list[int]]:
     return samples
 
 
-@pytest.mark.parametrize("n", [pytest.param(128, id="fast"), pytest.param(1200, id="full", marks=pytest.mark.stress)])
+# Not fewer than 240 to save time: the 128-sample set (its prompts are seeded by n) holds a healthy sample, s73,
+# whose final-layer token 3 the bf16-noise rule fails (distance 0.2475 against 0.187 allowed; the same bits
+# captured alone, in a crowd of 31 and in the job). Its upstream layers are sensitive at that token (the
+# yardsticks stray 0.09-0.10 there), the yardsticks' final layer only 0.023. A known gap of the token
+# criterion, open in the tracker; SGLang's CPU captures here are batch-invariant, so each set's verdict is fixed.
+@pytest.mark.parametrize("n", [pytest.param(240, id="fast"), pytest.param(1200, id="full", marks=pytest.mark.stress)])
 def test_no_sample_is_stored_with_another_samples_states(n, ray_session, make_config, references, tmp_path):
     samples = write_input(tmp_path / "stress.jsonl", n)
     out = tmp_path / "out"
