@@ -35,7 +35,15 @@ from actors.sglang.engine import SGLangEngine  # noqa: E402
 from pipeline.format.shards import open_shards  # noqa: E402
 from pipeline.intake.model import prepare_default_model  # noqa: E402
 from pipeline.tools.audit import REFERENCE_RUNS, Reference  # noqa: E402
-from pipeline.tools.fidelity import FLOOR, SAMPLE_FACTOR, TOKEN_FACTOR, as_float, token_errors, yardstick_distances  # noqa: E402
+from pipeline.tools.fidelity import (  # noqa: E402
+    FINAL_DEPTH,
+    FLOOR,
+    SAMPLE_FACTOR,
+    TOKEN_FACTOR,
+    as_float,
+    ratios,
+    upstream_noise,
+)
 
 LAYERS = (2, 14, 15, 16, 27)
 
@@ -54,12 +62,12 @@ def captures(model_dir, prompts: dict[str, list[int]]) -> dict[str, list[np.ndar
 
 
 def sample_ratio(got, truth, yards) -> float:
-    return float(token_errors(got, truth).mean() / max(yardstick_distances(yards, truth)[1], FLOOR))
+    return ratios(got, truth, yards)[0]
 
 
-def token_ratio(got, truth, yards) -> float:
-    noise, mean = yardstick_distances(yards, truth)
-    return float((token_errors(got, truth) / np.maximum(np.maximum(noise, mean), FLOOR)).max())
+def token_ratio(got, truth, yards, upstream) -> float:
+    """The worst token over its base, the base widened by the noise the token carries up from shallower layers."""
+    return ratios(got, truth, yards, upstream)[1]
 
 
 def main() -> None:
@@ -89,17 +97,18 @@ def main() -> None:
     k15 = LAYERS.index(15)
     for key in prompts:
         truth, yards = refs[key]
+        ups = upstream_noise(truth, yards, [*LAYERS, FINAL_DEPTH])
         for j, g in enumerate(got[key]):
             where = f"{key} block {j}"
             note(worst, "healthy sample", sample_ratio(g, truth[j], yards[j]), where, max)
-            note(worst, "healthy token", token_ratio(g, truth[j], yards[j]), where, max)
+            note(worst, "healthy token", token_ratio(g, truth[j], yards[j], ups[j]), where, max)
             shifted = np.concatenate([g[1:], g[-1:]])
             note(least, "offset by one token (sample)", sample_ratio(shifted, truth[j], yards[j]), where, min)
             bad = g.copy()
             t = len(bad) // 2
             c = int(np.argmax(np.abs(bad[t])))
             bad[t, c] = -bad[t, c]
-            note(least, "one value's sign flipped (token)", token_ratio(bad, truth[j], yards[j]), where, min)
+            note(least, "one value's sign flipped (token)", token_ratio(bad, truth[j], yards[j], ups[j]), where, min)
         for other in (LAYERS.index(14), LAYERS.index(16)):
             r = sample_ratio(got[key][other], truth[k15], yards[k15])
             note(least, "neighbouring layer (sample)", r, f"{key} layer {LAYERS[other]} as 15", min)

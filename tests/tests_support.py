@@ -10,6 +10,47 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def random_bf16(rng, rows: int, cols: int):
+    """Random finite bf16 bit patterns (uint16 [rows, cols]; the exponent never all ones)."""
+    import numpy as np
+
+    bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
+    return np.where((bits & 0x7F80) == 0x7F80, bits & 0xBFFF, bits).astype(np.uint16)
+
+
+def random_encoded(layout, prefix: str, n: int, tokens: int, rng) -> list:
+    """n encoded samples `{prefix}-{i}` of `tokens` tokens each, random finite states in `layout`, all trained."""
+    from pipeline.format.shards import encode_bits
+
+    return [
+        encode_bits(
+            f"{prefix}-{i}",
+            list(range(tokens)),
+            [1] * tokens,
+            random_bf16(rng, tokens, layout.aux_width),
+            random_bf16(rng, tokens, layout.hidden_size),
+            layout,
+        )
+        for i in range(n)
+    ]
+
+
+def processes_matching(needle: str, under: int | None = None, since: float | None = None) -> list:
+    """psutil processes whose command line holds `needle`: descendants of pid `under` (every process when
+    None), started at or after unix time `since` (any time when None). Processes that vanish are skipped."""
+    import psutil
+
+    pool = psutil.Process(under).children(recursive=True) if under is not None else psutil.process_iter()
+    found = []
+    for p in pool:
+        try:
+            if needle in " ".join(p.cmdline()) and (since is None or p.create_time() >= since):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
@@ -49,18 +90,17 @@ def stored_blocks(aux, last, k: int) -> list:
     return [aux[:, j * h : (j + 1) * h] for j in range(k)] + [last]
 
 
-def assert_within_bf16_noise(what: str, got_blocks, truth_blocks, yard_blocks, names=None):
-    """Each stored layer against the float32 truth, judged by a bf16 forward of the same tokens (the audit's
-    rule, pipeline/tools/fidelity.py); returns the deviations so a test can print them."""
+def assert_within_bf16_noise(what: str, got_blocks, truth_blocks, yard_blocks, names=None, depths=None):
+    """Each stored layer of one sample against the float32 truth, judged by bf16 forwards of the same tokens
+    (the audit's rule, pipeline/tools/fidelity.py; `depths`: the blocks' layer ids, FINAL_DEPTH for the final
+    state, by default the order given); returns the deviations so a test can print them."""
     from pipeline.tools.fidelity import DEFAULT_RULE
 
     names = names or [f"block {j}" for j in range(len(got_blocks))]
     assert len(got_blocks) == len(truth_blocks) == len(yard_blocks) == len(names)
-    out = []
-    for name, got, truth, yard in zip(names, got_blocks, truth_blocks, yard_blocks):
-        d = DEFAULT_RULE.judge(got, truth, yard)
+    out = DEFAULT_RULE.judge_layers(got_blocks, truth_blocks, yard_blocks, depths)
+    for name, d in zip(names, out):
         assert d.passed, f"{what} {name}: {d.why()}"
-        out.append(d)
     return out
 
 
@@ -89,7 +129,10 @@ class References:
         """A stored sample (bits or floats) within bf16 noise of float32, every layer; returns the deviations."""
         ((truth, yard),) = self.layers(aux_layers, [list(ids)])
         names = names or [f"aux layer {x}" for x in aux_layers] + ["final"]
-        return assert_within_bf16_noise(what, stored_blocks(aux, last, len(aux_layers)), truth, yard, names)
+        from pipeline.tools.fidelity import FINAL_DEPTH
+
+        blocks = stored_blocks(aux, last, len(aux_layers))
+        return assert_within_bf16_noise(what, blocks, truth, yard, names, [*aux_layers, FINAL_DEPTH])
 
     def close(self) -> None:
         """Free the models (results stay cached); the next `layers()` loads them again."""

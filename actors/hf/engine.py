@@ -79,6 +79,7 @@ def _ids_sha256(ids: np.ndarray) -> str:
 
 class HFEngine:
     name = "hf"
+    WARMUP_MAX_LENGTH = 2048  # the warm-up's sequences: max_batch_tokens in as many of these as fit
 
     @classmethod
     def kwargs_for(cls, cfg, model_dir: str, aux_layers: tuple[int, ...], cuda: bool, cpu_threads: int) -> dict:
@@ -210,7 +211,7 @@ class HFEngine:
         max_batch_tokens the device cannot hold fails here, at start, instead of splitting every large
         forward of a job (the out-of-memory fallback). SGLang's server warms up before it reports ready in
         the same way, and the benchmarks time warmed engines on both sides. The counters start after it."""
-        length = min(self.max_batch_tokens, 2048)
+        length = min(self.max_batch_tokens, self.WARMUP_MAX_LENGTH)
         n = max(1, self.max_batch_tokens // length)
         with self._cv:  # queued at once, so the worker takes them as one forward
             futures = [

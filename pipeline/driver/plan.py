@@ -51,13 +51,14 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
     except (OSError, ValueError, KeyError) as e:
         raise PlanError(f"model.path {cfg.model.path!r} cannot be used: {type(e).__name__}: {e}") from None
     aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
-    if max(aux) >= n_layers or min(aux) < 0:
-        raise PlanError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
-    if len(set(aux)) != len(aux):  # only the default can (conf/schema.py refuses repeated ids): fewer than 8 layers
+    if not cfg.extract.aux_layers and (len(set(aux)) != len(aux) or min(aux) < 0):
+        # Only the default can (conf/schema.py refuses repeated ids): a model of fewer than 7 layers.
         raise PlanError(
-            f"the default aux layers {list(aux)} name a layer twice (the model has {n_layers} layers); "
+            f"the default aux layers {list(aux)} do not fit a model of {n_layers} layers (they need 7 or more); "
             "set extract.aux_layers to distinct layer ids"
         )
+    if max(aux) >= n_layers or min(aux) < 0:
+        raise PlanError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
     layout = ShardLayout(tuple(aux), hidden, cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state)
     cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
     settings = {

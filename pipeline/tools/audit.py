@@ -29,7 +29,7 @@ from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import decode_row, list_shards, read_layout, shard_sample_ids
 from pipeline.format.storage import Store
 from pipeline.intake import model as model_lib
-from pipeline.tools.fidelity import DEFAULT_RULE, FLOOR, Deviation, NoiseRule, as_float
+from pipeline.tools.fidelity import DEFAULT_RULE, FINAL_DEPTH, FLOOR, Deviation, NoiseRule, as_float, upstream_noise
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +207,13 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.nan_to_num(cos, nan=0.0)
 
 
-def compare(sample_id: str, layer: str, stored, truth, yardstick, rule: NoiseRule = DEFAULT_RULE) -> LayerResult:
-    """stored [T, H] against the float32 truth and a bf16 forward of the same tokens (float64 math)."""
+def compare(
+    sample_id: str, layer: str, stored, truth, yardstick, rule: NoiseRule = DEFAULT_RULE, upstream=None
+) -> LayerResult:
+    """stored [T, H] against the float32 truth and a bf16 forward of the same tokens (float64 math);
+    `upstream`: the yardsticks' per-token distances in the sample's shallower layers (fidelity.upstream_noise)."""
     a, b = as_float(stored), as_float(truth)
-    d = rule.judge(a, b, yardstick)
+    d = rule.judge(a, b, yardstick, upstream)
     if a.shape != b.shape:
         return LayerResult(sample_id, layer, d.tokens, 0.0, 0.0, float("inf"), *_deviation_fields(d))
     cos = _cosines(a, b)
@@ -336,11 +339,14 @@ def audit(
                 sid = d["sample_id"]
                 report.samples.append(sid)
                 stored = _blocks_of(d, len(aux_layers), meta["hidden_size"])
+                # Over every token, before a masked final state drops the untrained ones.
+                ups = upstream_noise(truth, yard, [*aux_layers, FINAL_DEPTH])
                 if "last_hidden_state_positions" in d:  # masked outputs store the final state at trained positions only
                     keep = d["last_hidden_state_positions"]
                     truth[-1], yard[-1] = truth[-1][keep], tuple(y[keep] for y in yard[-1])
-                for name, got, t, y in zip(names, stored, truth, yard):
-                    report.results.append(compare(sid, name, got, t, y, rule))
+                    ups[-1] = None if ups[-1] is None else ups[-1][keep]
+                for name, got, t, y, u in zip(names, stored, truth, yard, ups):
+                    report.results.append(compare(sid, name, got, t, y, rule, u))
     report.seconds = time.monotonic() - t0
     store.write_bytes(AUDIT_REPORT, (json.dumps(report.to_json(), indent=2) + "\n").encode())
     return report

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests_support import harvest_command
+from tests_support import harvest_command, processes_matching
 
 # Three SGLang server starts and two local Ray clusters: ~4-6 minutes on the 2-core machine. In the suite,
 # the same properties in small: the loopback-only server and private dump directory (test_engine.py), the
@@ -38,16 +38,7 @@ def _harvest(input_path, out, *extra) -> list[str]:
 
 
 def _descendants(pid: int, needle: str):
-    import psutil
-
-    found = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if needle in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
+    return processes_matching(needle, under=pid)
 
 
 def _error_rows(out: Path) -> list[dict]:

@@ -31,19 +31,15 @@ import json, os, sys
 import numpy as np
 import pyarrow.parquet as pq
 from pipeline.driver.failures import failure_message
-from pipeline.format.shards import ShardLayout, encode_bits, shard_name, write_shard
+from pipeline.format.shards import ShardLayout, shard_name, write_shard
 from pipeline.format.storage import TMP_PREFIX, Store
+from tests_support import random_encoded
 
 out = sys.argv[1]
 store, layout, rng = Store(out), ShardLayout((1, 2, 3), 64, encoding="raw"), np.random.default_rng(0)
 committed, error = [], None
 for k in range(100):
-    samples = []
-    for i in range(4):
-        t = 300
-        bits = lambda w: rng.integers(0, 0x7F00, (t, w), dtype=np.uint16)
-        sid = f"s{k}-{i}"
-        samples.append(encode_bits(sid, list(range(t)), [1] * t, bits(layout.aux_width), bits(64), layout))
+    samples = random_encoded(layout, f"s{k}", 4, 300, rng)
     try:
         committed.append(write_shard(store, samples, layout)[0])
     except OSError as e:
@@ -94,7 +90,7 @@ def test_a_full_disk_during_a_shard_write_leaves_no_partial_shard_and_one_clear_
     proc = subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script],
         cwd=REPO,
-        env=dict(os.environ, WRITER=WRITER, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, WRITER=WRITER, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}"),
         capture_output=True,
         text=True,
         timeout=300,

@@ -36,8 +36,9 @@ def test_shard_writes_absorb_a_flaky_store_and_fail_cleanly_when_it_vanishes(s3_
     import s3fs
 
     from pipeline.driver.failures import failure_message
-    from pipeline.format.shards import ShardLayout, encode_bits, read_token_columns, write_shard
+    from pipeline.format.shards import ShardLayout, read_token_columns, write_shard
     from pipeline.format.storage import Store
+    from tests_support import random_encoded
 
     proxy, direct = s3_chaos
     behind = s3fs.S3FileSystem(endpoint_url=direct)  # moto itself, never through the proxy
@@ -45,8 +46,7 @@ def test_shard_writes_absorb_a_flaky_store_and_fail_cleanly_when_it_vanishes(s3_
     layout, rng = ShardLayout((1, 2, 3), 32), np.random.default_rng(0)
 
     def shard(k):
-        bits = lambda t, w: rng.integers(0, 0x7F00, (t, w), dtype=np.uint16)  # noqa: E731
-        return [encode_bits(f"s{k}-{i}", [i] * 40, [1] * 40, bits(40, 96), bits(40, 32), layout) for i in range(3)]
+        return random_encoded(layout, f"s{k}", 3, 40, rng)
 
     store = Store("s3://hh-chaos-small/run")
     proxy.error_rate = 0.3

@@ -77,9 +77,8 @@ def test_an_actor_killed_mid_run_is_restarted_and_its_batch_retried(ray_session,
     import threading
     import time
 
-    import psutil
-
     from pipeline.driver.job import run
+    from tests_support import processes_matching
 
     out = tmp_path / "out"
     cfg = make_config(e2e_input, out, **{"engine.name": "hf", "engine.cpu_threads": 1, "extract.batch_size": 2})
@@ -90,10 +89,9 @@ def test_an_actor_killed_mid_run_is_restarted_and_its_batch_retried(ray_session,
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not list((out / "shards").glob("part-*.parquet")):
             time.sleep(0.2)
-        for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
-            if "HiddenStateExtractor" in " ".join(p.info["cmdline"] or []) and p.info["create_time"] >= started - 1:
-                p.send_signal(signal.SIGKILL)
-                killed.append(p.info["pid"])
+        for p in processes_matching("HiddenStateExtractor", since=started - 1):
+            p.send_signal(signal.SIGKILL)
+            killed.append(p.pid)
 
     killer = threading.Thread(target=kill_once_a_shard_is_committed, daemon=True)
     killer.start()

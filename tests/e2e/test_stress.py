@@ -16,7 +16,7 @@ from pipeline.driver.job import run
 from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import open_shards
 from pipeline.format.storage import Store
-from pipeline.tools.fidelity import DEFAULT_RULE, as_float
+from pipeline.tools.fidelity import DEFAULT_RULE, FINAL_DEPTH, as_float, upstream_noise
 from pipeline.tools.verify import verify
 
 pytestmark = pytest.mark.slow
@@ -35,12 +35,14 @@ def write_input(path, n: int) -> dict[str, list[int]]:
     return samples
 
 
-# Not fewer than 240 to save time: the 128-sample set (its prompts are seeded by n) holds a healthy sample, s73,
-# whose final-layer token 3 the bf16-noise rule fails (distance 0.2475 against 0.187 allowed; the same bits
-# captured alone, in a crowd of 31 and in the job). Its upstream layers are sensitive at that token (the
-# yardsticks stray 0.09-0.10 there), the yardsticks' final layer only 0.023. A known gap of the token
-# criterion, open in the tracker; SGLang's CPU captures here are batch-invariant, so each set's verdict is fixed.
-@pytest.mark.parametrize("n", [pytest.param(240, id="fast"), pytest.param(1200, id="full", marks=pytest.mark.stress)])
+def final_state_verdict(got, truth_blocks, yard_blocks, layers):
+    """The stored final state against one sample's reference, its tokens allowed the noise they carry up
+    from the aux layers (the audit's rule)."""
+    upstream = upstream_noise(truth_blocks, yard_blocks, [*layers, FINAL_DEPTH])[-1]
+    return DEFAULT_RULE.judge(got, truth_blocks[-1], yard_blocks[-1], upstream)
+
+
+@pytest.mark.parametrize("n", [pytest.param(128, id="fast"), pytest.param(1200, id="full", marks=pytest.mark.stress)])
 def test_no_sample_is_stored_with_another_samples_states(n, ray_session, make_config, references, tmp_path):
     samples = write_input(tmp_path / "stress.jsonl", n)
     out = tmp_path / "out"
@@ -67,12 +69,11 @@ def test_no_sample_is_stored_with_another_samples_states(n, ray_session, make_co
     for sid, s in stored.items():
         assert s["input_ids"].tolist() == samples[sid]
         got = as_float(s["last_hidden_state"])
-        truth, yard = ref[sid][0][-1], ref[sid][1][-1]
-        own = DEFAULT_RULE.judge(got, truth, yard)
+        own = final_state_verdict(got, *ref[sid], layers)
         # Every other sample of the same length with different content: a swap would look like one of them,
         # so each must fail the rule that the sample's own forward passes.
         others = [k for k in samples if len(samples[k]) == len(samples[sid]) and samples[k] != samples[sid]]
-        rivals = [k for k in others if DEFAULT_RULE.judge(got, ref[k][0][-1], ref[k][1][-1]).passed]
+        rivals = [k for k in others if final_state_verdict(got, *ref[k], layers).passed]
         if not own.passed or rivals:
             wrong.append((sid, own.why(), rivals[:3]))
     print(f"{n} samples, 2 actors x 32 in flight: {len(wrong)} stored with another sample's states")

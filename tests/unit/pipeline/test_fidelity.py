@@ -9,10 +9,20 @@ import numpy as np
 import pytest
 
 from pipeline.tools.audit import Reference
-from pipeline.tools.fidelity import DEFAULT_RULE, FLOOR, NoiseRule, as_float, ratios, token_errors
+from pipeline.tools.fidelity import (
+    DEFAULT_RULE,
+    FINAL_DEPTH,
+    FLOOR,
+    NoiseRule,
+    as_float,
+    ratios,
+    token_errors,
+    upstream_noise,
+)
 from tests_support import stored_blocks
 
 LAYERS = (2, 14, 15, 16, 27)  # 14-16: neighbours for the shifted-layer case
+DEPTHS = [*LAYERS, FINAL_DEPTH]
 
 
 @pytest.fixture(scope="module")
@@ -31,27 +41,29 @@ def case(model_dir, text_ids):
     out = {}
     for (key, ids), (truth, yard) in zip(prompts.items(), refs):
         aux, last = caps[key].capture.bits()
-        out[key] = (ids, [as_float(b) for b in stored_blocks(aux, last, len(LAYERS))], truth, yard)
+        ups = upstream_noise(truth, yard, DEPTHS)
+        out[key] = (ids, [as_float(b) for b in stored_blocks(aux, last, len(LAYERS))], truth, yard, ups)
     return out
 
 
 def test_healthy_captures_pass_with_margin(case):
     worst_sample = worst_token = 0.0
-    for key, (_, got, truth, yard) in case.items():
-        for j, (g, t, y) in enumerate(zip(got, truth, yard)):
-            d = DEFAULT_RULE.judge(g, t, y)
+    for key, (_, got, truth, yard, ups) in case.items():
+        for j, (g, t, y, u) in enumerate(zip(got, truth, yard, ups)):
+            d = DEFAULT_RULE.judge(g, t, y, u)
             assert d.passed, (key, j, d.why())
-            s, tok = ratios(g, t, y)
+            s, tok = ratios(g, t, y, u)
             worst_sample, worst_token = max(worst_sample, s), max(worst_token, tok)
     # The margin the factors are chosen for (fidelity.py): healthy data well inside both.
     assert worst_sample * 2 <= DEFAULT_RULE.sample_factor and worst_token * 2 <= DEFAULT_RULE.token_factor
     print(f"\nhealthy: worst sample {worst_sample:.2f}x its yardstick, worst token {worst_token:.2f}x its base")
 
 
-def _fails(got, truth, yard) -> float:
-    d = DEFAULT_RULE.judge(got, truth, yard)
+def _fails(got, truth, yard, upstream) -> float:
+    """Fails, with the sample's own upstream noise widening its tokens' allowances as in the audit."""
+    d = DEFAULT_RULE.judge(got, truth, yard, upstream)
     assert not d.passed, d
-    return max(ratios(got, truth, yard))
+    return max(ratios(got, truth, yard, upstream))
 
 
 def test_another_samples_states_fail(case):
@@ -59,40 +71,40 @@ def test_another_samples_states_fail(case):
     seen = []
     for a, b in zip(keys, keys[1:]):  # b is at least as long: its first len(a) rows stand in for a's
         n = len(case[a][0])
-        _, _, truth, yard = case[a]
+        _, _, truth, yard, ups = case[a]
         for j in range(len(LAYERS) + 1):
-            seen.append(_fails(case[b][1][j][:n], truth[j], yard[j]))
+            seen.append(_fails(case[b][1][j][:n], truth[j], yard[j], ups[j]))
     print(f"\nswapped sample: at least {min(seen):.1f}x")
 
 
 def test_the_neighbouring_layer_fails(case):
     seen = []
-    for _, got, truth, yard in case.values():
+    for _, got, truth, yard, ups in case.values():
         k14, k15, k16 = LAYERS.index(14), LAYERS.index(15), LAYERS.index(16)
-        seen.append(_fails(got[k16], truth[k15], yard[k15]))  # layer 16 stored as 15
-        seen.append(_fails(got[k14], truth[k15], yard[k15]))  # layer 14 stored as 15
+        seen.append(_fails(got[k16], truth[k15], yard[k15], ups[k15]))  # layer 16 stored as 15
+        seen.append(_fails(got[k14], truth[k15], yard[k15], ups[k15]))  # layer 14 stored as 15
     print(f"\nneighbouring layer: at least {min(seen):.1f}x")
 
 
 def test_a_sequence_offset_by_one_token_fails(case):
     seen = []
-    for _, got, truth, yard in case.values():
+    for _, got, truth, yard, ups in case.values():
         for j in range(len(LAYERS) + 1):
             shifted = np.concatenate([got[j][1:], got[j][-1:]])  # every row one position late
-            seen.append(_fails(shifted, truth[j], yard[j]))
+            seen.append(_fails(shifted, truth[j], yard[j], ups[j]))
     print(f"\noffset by one token: at least {min(seen):.1f}x")
 
 
 def test_one_corrupted_value_fails(case):
     """The largest value of one token with its sign flipped (one bit), in every layer of every sample."""
     seen = []
-    for _, got, truth, yard in case.values():
+    for _, got, truth, yard, ups in case.values():
         for j in range(len(LAYERS) + 1):
             bad = got[j].copy()
             t = len(bad) // 2
             c = int(np.argmax(np.abs(bad[t])))
             bad[t, c] = -bad[t, c]
-            seen.append(_fails(bad, truth[j], yard[j]))
+            seen.append(_fails(bad, truth[j], yard[j], ups[j]))
     print(f"\none corrupted value: at least {min(seen):.1f}x")
 
 
@@ -113,3 +125,36 @@ def test_the_rule_on_hand_made_arrays():
     assert DEFAULT_RULE.judge(np.zeros((0, 8)), np.zeros((0, 8)), np.zeros((0, 8))).passed
     strict = NoiseRule(sample_factor=0.5, token_factor=0.5, floor=0.0)
     assert not strict.judge(yard, truth, yard).passed  # the factors are what decide
+
+
+def test_a_tokens_drift_in_shallower_layers_widens_its_allowance_deeper_and_only_deeper():
+    """The healthy case the per-layer rule failed: a token both yardsticks stray on at a shallow layer, back
+    near float32 at the final one, where the capture stays off. Drift flows up the residual stream, never down."""
+    rng = np.random.default_rng(1)
+    truth = [rng.standard_normal((6, 64)) for _ in range(3)]  # layers 3 and 9, then the final state
+
+    def off(x, token, by):  # x with one token moved ~`by` (relative L2), the others ~0.02 as bf16 forwards are
+        y = x + 0.02 * np.linalg.norm(x, axis=1, keepdims=True) * rng.standard_normal(x.shape) / 8
+        y[token] = x[token] + by * np.linalg.norm(x[token]) * rng.standard_normal(64) / 8
+        return y
+
+    yard = [(off(truth[0], 2, 0.1), off(truth[0], 2, 0.1)), (off(truth[1], 2, 0.1),), (off(truth[2], 2, 0.02),)]
+    got = [off(truth[0], 2, 0.2), off(truth[1], 2, 0.2), off(truth[2], 2, 0.25)]
+    depths = [3, 9, FINAL_DEPTH]
+    alone = DEFAULT_RULE.judge(got[2], truth[2], yard[2])
+    assert not alone.passed and alone.worst_token == 2  # judged by its own layer's yardsticks only: fails
+    assert all(d.passed for d in DEFAULT_RULE.judge_layers(got, truth, yard, depths))
+    # Given in another order, the depths still decide what is shallower.
+    order = [2, 0, 1]
+    shuffled = ([x[i] for i in order] for x in (got, truth, yard))
+    assert all(d.passed for d in DEFAULT_RULE.judge_layers(*shuffled, [depths[i] for i in order]))
+    # A shallow layer gets nothing from a deeper one's drift: layer 3 off at token 4, only the final's yardsticks there.
+    yard2 = [(off(truth[0], 4, 0.02),), (off(truth[1], 4, 0.02),), (off(truth[2], 4, 0.3),)]
+    got2 = [off(truth[0], 4, 0.3), off(truth[1], 4, 0.02), off(truth[2], 4, 0.02)]
+    first = DEFAULT_RULE.judge_layers(got2, truth, yard2, depths)[0]
+    assert not first.passed and first.worst_token == 4
+    # Damage stays visible: another token of the final state far off, where no layer strays.
+    bad = off(truth[2], 5, 0.5)
+    assert not DEFAULT_RULE.judge_layers([got[0], got[1], bad], truth, yard, depths)[2].passed
+    with pytest.raises(ValueError, match="tokens"):
+        DEFAULT_RULE.judge(truth[2], truth[2], yard[2], np.zeros(5))

@@ -87,17 +87,20 @@ def test_turns_policy_and_template_kwargs_are_data_settings(repo_root):
     assert (b["turns"], b["template_kwargs"]) == ("each", {"enable_thinking": False})
 
 
-@pytest.mark.parametrize("layers", [6, 4])
-def test_default_aux_layers_that_collide_on_a_small_model_are_refused_before_the_run(repo_root, monkeypatch, layers):
+@pytest.mark.parametrize("layers", [6, 5, 4, 3, 1])  # collide (6, 5, 4) or go below layer 0 (3, 1)
+def test_default_aux_layers_that_do_not_fit_a_small_model_are_refused_before_the_run(repo_root, monkeypatch, layers):
     from conf import load_config
     from pipeline.driver import plan
     from pipeline.intake import model
 
     monkeypatch.setattr(model, "num_hidden_layers", lambda _: layers)
     with pytest.raises(
-        plan.PlanError, match=r"the default aux layers \[.*\] name a layer twice .*set extract.aux_layers"
+        plan.PlanError,
+        match=rf"the default aux layers \[.*\] do not fit a model of {layers} layers .*set extract.aux_layers",
     ):
         make_plan(load_config(repo_root / "conf" / "default.yaml"), 0)
+    monkeypatch.setattr(model, "num_hidden_layers", lambda _: 7)  # the smallest the default fits
+    assert make_plan(load_config(repo_root / "conf" / "default.yaml"), 0).settings["aux_layers"] == [1, 2, 3]
 
 
 def test_aux_layers_beyond_the_model_are_refused_before_the_run(repo_root):

@@ -20,14 +20,9 @@ from pipeline.format.shards import (
     write_shard,
 )
 from pipeline.format.storage import TMP_PREFIX, Store
+from tests_support import random_bf16
 
 LAYOUT = ShardLayout(aux_layers=(2, 15, 27), hidden_size=16)
-
-
-def random_bf16(rng, rows, cols) -> np.ndarray:
-    """Random finite bf16 bit patterns (exponent never all ones)."""
-    bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
-    return np.where((bits & 0x7F80) == 0x7F80, bits & 0xBFFF, bits).astype(np.uint16)
 
 
 class Sample:
