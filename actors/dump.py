@@ -47,6 +47,7 @@ class CaptureHeader:
     aux_shape: tuple[int, int]  # [T, K*H]
     last_shape: tuple[int, int]  # [T, H]
     source_dtype: str  # the dtype the model computed in
+    final_layer: str  # "post_norm": the final norm's output; "pre_norm": its input
     layout: str = "planes"
     error: str | None = None  # the capture failed inside the server, and why
 

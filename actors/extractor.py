@@ -158,7 +158,11 @@ class HiddenStateExtractor:
                 res = fut.result()
                 sid, row = res.key, todo[res.key]
                 reason = res.error or check_capture(
-                    res.capture, row["input_ids"], self.layout.aux_width, self.layout.hidden_size
+                    res.capture,
+                    row["input_ids"],
+                    self.layout.aux_width,
+                    self.layout.hidden_size,
+                    self.layout.final_layer,
                 )
                 if reason is None:
                     encoding.append(self.pool.submit(self._encode, sid, row, res.capture))

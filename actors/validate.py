@@ -17,8 +17,11 @@ def ids_sha256(input_ids) -> str:
     return hashlib.sha256(np.asarray(input_ids, dtype=np.int32).tobytes()).hexdigest()
 
 
-def check_capture(cap: Capture, input_ids: list[int], aux_width: int, hidden_size: int) -> str | None:
-    """None when the capture is the hidden states of exactly these input ids; else the reason."""
+def check_capture(
+    cap: Capture, input_ids: list[int], aux_width: int, hidden_size: int, final_layer: str | None = None
+) -> str | None:
+    """None when the capture is the hidden states of exactly these input ids (and its final layer the
+    `final_layer` convention, when given); else the reason."""
     n = len(input_ids)
     h = cap.header
     if h.error:
@@ -33,6 +36,9 @@ def check_capture(cap: Capture, input_ids: list[int], aux_width: int, hidden_siz
         return f"aux_hidden_states shape {(cap.aux_shape[2], cap.aux_shape[1])} != expected {(n, aux_width)}"
     if cap.last_shape != (2, hidden_size, n):
         return f"last_hidden_state shape {(cap.last_shape[2], cap.last_shape[1])} != expected {(n, hidden_size)}"
+    if final_layer is not None and h.final_layer != final_layer:
+        # Never store one convention under the other's name (a hook that ignored what it was asked).
+        return f"the capture's final layer is {h.final_layer}, the output stores {final_layer}"
     if h.nonfinite:
         return f"{h.nonfinite} non-finite hidden-state values"
     return None

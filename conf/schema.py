@@ -115,6 +115,11 @@ class ExtractConfig(_Strict):
     # Decoder layer ids whose output is captured ("output of decoder layer i" = HF hidden_states[i+1]).
     # None: EAGLE-3's default layers, [1, L//2-1, L-4] = HF hidden_states[2, L//2, L-3] (pipeline/driver/plan.py).
     aux_layers: tuple[int, ...] | None = None
+    # The final layer as stored: the residual stream entering the model's final norm (pre_norm: speculators
+    # trains on it; readers and exports apply the norm, stored with the output, for the post-norm state that
+    # SpecForge and Model-Optimizer read), or the norm's output (post_norm: what format-2 outputs hold; a
+    # post-norm state cannot be turned back).
+    final_layer: Literal["pre_norm", "post_norm"] = "pre_norm"
     max_tokens: int = Field(2048, ge=1)
     # What to do with a sample longer than max_tokens.
     overlength: Literal["truncate", "reject"] = "reject"

@@ -17,6 +17,7 @@ from pipeline.format.lock import OutputLocked
 from pipeline.format.manifest import SettingsMismatch
 from pipeline.format.storage import human_bytes, redact
 from pipeline.tools.audit import AuditError, audit
+from pipeline.tools.export import ExportError, export
 from pipeline.tools.fidelity import SAMPLE_FACTOR, TOKEN_FACTOR, NoiseRule
 from pipeline.tools.inspect import summarize
 from pipeline.tools.verify import verify
@@ -108,6 +109,12 @@ def cmd_audit(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_export(args) -> int:
+    report = export(args.output, args.to, args.dest, workers=args.workers)
+    print(report.text())
+    return 0 if report.ok else 1
+
+
 def _samples(value: str) -> str:
     if value != "all" and not (value.isdigit() and int(value) > 0):
         raise argparse.ArgumentTypeError("a positive number of samples, or `all`")
@@ -153,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a token's distance may be this many times the bf16 forward's there (default %(default)s)",
     )
     p.set_defaults(fn=cmd_audit)
+    p = sub.add_parser(
+        "export", help="write an output in a draft trainer's layout (SpecForge, speculators, Model-Optimizer)"
+    )
+    p.add_argument("output")
+    p.add_argument("--to", required=True, choices=("specforge", "speculators", "modelopt"))
+    p.add_argument("dest", help="where the trainer's files go (local dir or s3://); a rerun completes it")
+    p.add_argument("--workers", type=int, default=None, help="shards exported at once (default: up to 8)")
+    p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
     _setup_logging()
 
@@ -163,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         InsufficientSpace,
         SettingsMismatch,
         AuditError,
+        ExportError,
         FileNotFoundError,
         PreflightError,
         OutputLocked,

@@ -113,21 +113,22 @@ class References:
         self._refs: dict = {}
         self._cache: dict = {}
 
-    def layers(self, aux_layers, sequences) -> list:
-        """[(truth blocks, yardstick blocks)] per sequence, each a list of K aux [T, H] blocks then the final."""
+    def layers(self, aux_layers, sequences, final_layer: str = "post_norm") -> list:
+        """[(truth blocks, yardstick blocks)] per sequence, each a list of K aux [T, H] blocks then the final
+        (after the final norm, or before it with final_layer="pre_norm")."""
         from pipeline.tools.audit import Reference
 
-        key = tuple(aux_layers)
+        key = (tuple(aux_layers), final_layer)
         if key not in self._refs:
-            self._refs[key] = Reference(self.model_dir, key).__enter__()
+            self._refs[key] = Reference(self.model_dir, key[0], final_layer=final_layer).__enter__()
         todo = [list(s) for s in sequences if (key, tuple(s)) not in self._cache]
         for s, r in zip(todo, self._refs[key].layers(todo) if todo else []):
             self._cache[(key, tuple(s))] = r
         return [self._cache[(key, tuple(s))] for s in sequences]
 
-    def check(self, what: str, aux_layers, ids, aux, last, names=None):
+    def check(self, what: str, aux_layers, ids, aux, last, names=None, final_layer: str = "post_norm"):
         """A stored sample (bits or floats) within bf16 noise of float32, every layer; returns the deviations."""
-        ((truth, yard),) = self.layers(aux_layers, [list(ids)])
+        ((truth, yard),) = self.layers(aux_layers, [list(ids)], final_layer)
         names = names or [f"aux layer {x}" for x in aux_layers] + ["final"]
         from pipeline.tools.fidelity import FINAL_DEPTH
 

@@ -1,7 +1,8 @@
 """The target's decoder in transformers, without its LM head, with hooks that keep what one forward stores.
 
 Aux layer i = output of decoder layer i = HF `hidden_states[i+1]`; the final state = the output of the
-final norm (the SGLang path's convention). The LM head never runs: SGLang computes logits for one
+final norm (post_norm), or its input, the last decoder layer's output (pre_norm): the SGLang path's two
+conventions. The LM head never runs: SGLang computes logits for one
 position only, and the stored states do not need them. Used by the capturing engine (engine.py) and by
 the float reference (reference.py).
 """
@@ -49,8 +50,17 @@ def _first(output):
 
 class Decoder:
     def __init__(
-        self, model_dir: str, aux_layers: tuple[int, ...], device: str, dtype: str, attn_implementation: str = "sdpa"
+        self,
+        model_dir: str,
+        aux_layers: tuple[int, ...],
+        device: str,
+        dtype: str,
+        attn_implementation: str = "sdpa",
+        final_layer: str = "post_norm",
     ):
+        if final_layer not in ("post_norm", "pre_norm"):
+            raise ValueError(f"final_layer {final_layer!r}: post_norm or pre_norm")
+        self.final_layer = final_layer
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
@@ -82,7 +92,7 @@ class Decoder:
         self._hooks = [
             self.layers[i].register_forward_hook(self._keep(("aux", k))) for k, i in enumerate(self.aux_layers)
         ]
-        self._hooks.append(self.norm.register_forward_hook(self._keep(("last", 0))))
+        self._hooks.append(self.norm.register_forward_hook(self._keep(("last", 0), self.final_layer == "pre_norm")))
         return self
 
     def close(self) -> None:
@@ -91,10 +101,10 @@ class Decoder:
         self._hooks = []
         self._taken.clear()
 
-    def _keep(self, slot):
-        def hook(_module, _inputs, output):
+    def _keep(self, slot, take_input: bool = False):
+        def hook(_module, inputs, output):
             if self._keeping:
-                self._taken[slot] = _first(output)
+                self._taken[slot] = inputs[0] if take_input else _first(output)
 
         return hook
 

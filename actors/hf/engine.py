@@ -82,11 +82,20 @@ class HFEngine:
     WARMUP_MAX_LENGTH = 2048  # the warm-up's sequences: max_batch_tokens in as many of these as fit
 
     @classmethod
-    def kwargs_for(cls, cfg, model_dir: str, aux_layers: tuple[int, ...], cuda: bool, cpu_threads: int) -> dict:
+    def kwargs_for(
+        cls,
+        cfg,
+        model_dir: str,
+        aux_layers: tuple[int, ...],
+        cuda: bool,
+        cpu_threads: int,
+        final_layer: str = "post_norm",
+    ) -> dict:
         """Constructor arguments from the engine's config section (conf.schema.HFEngineConfig)."""
         return {
             "model_dir": model_dir,
             "aux_layers": tuple(aux_layers),
+            "final_layer": final_layer,
             "device": "cuda" if cuda else "cpu",
             "max_batch_tokens": cfg.max_batch_tokens,
             "cpu_threads": cpu_threads,
@@ -117,11 +126,13 @@ class HFEngine:
         cpu_threads: int | None = None,
         attn_implementation: str = "sdpa",
         warmup: bool | None = None,
+        final_layer: str = "post_norm",
     ):
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
-        self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation)
+        self.final_layer = final_layer
+        self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation, final_layer)
         self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
         self.cpu_threads = cpu_threads
@@ -484,6 +495,7 @@ class HFEngine:
                 aux_shape=(n, w),
                 last_shape=(n, h),
                 source_dtype=self.dtype,
+                final_layer=self.final_layer,
             )
             cap = Capture(header, None, 0, body=staged.planes[staged.offsets[row] : staged.offsets[row + 1]])
             r.future.set_result(RequestResult(r.key, cap, None, now - r.submitted, r.key))

@@ -31,10 +31,11 @@ class ReferenceStates:
         max_batch_tokens: int = 2048,
         cpu_threads: int | None = None,
         attn_implementation: str = "sdpa",
+        final_layer: str = "post_norm",
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-        self.decoder = Decoder(str(model_dir), tuple(aux_layers), device, dtype, attn_implementation)
+        self.decoder = Decoder(str(model_dir), tuple(aux_layers), device, dtype, attn_implementation, final_layer)
         self.policy = BatchPolicy(max_batch_tokens)
         self.cpu_threads = cpu_threads
         self.batches = 0

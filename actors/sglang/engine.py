@@ -70,12 +70,21 @@ class SGLangEngine:
     name = "sglang"
 
     @classmethod
-    def kwargs_for(cls, cfg, model_dir: str, aux_layers: tuple[int, ...], cuda: bool, cpu_threads: int) -> dict:
+    def kwargs_for(
+        cls,
+        cfg,
+        model_dir: str,
+        aux_layers: tuple[int, ...],
+        cuda: bool,
+        cpu_threads: int,
+        final_layer: str = "post_norm",
+    ) -> dict:
         """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig)."""
         return {
             "spec_without_dump": {
                 "model_dir": model_dir,
                 "aux_layers": tuple(aux_layers),
+                "final_layer": final_layer,
                 "tp_size": cfg.tp_size,
                 "chunked_prefill_size": cfg.chunked_prefill_size,
                 "cpu": not cuda,

@@ -75,9 +75,13 @@ class ServerSpec:
     capture: bool = True
     extra_flags: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
+    # The final layer dumped: the final norm's output (post_norm), or its input (pre_norm; the job's default).
+    final_layer: str = "post_norm"
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.final_layer not in ("post_norm", "pre_norm"):
+            raise ValueError(f"final_layer {self.final_layer!r}: post_norm or pre_norm")
         for flag in self.extra_flags:
             name = flag.split("=", 1)[0]
             # argparse also accepts unique prefixes (--chunked-prefill means --chunked-prefill-size).
@@ -154,6 +158,7 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
     if spec.capture:
         env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
         env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
+        env["HIDDEN_HARVEST_FINAL"] = spec.final_layer
     if spec.cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         threads = str(spec.cpu_threads or os.cpu_count() or 1)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conf import HarvestConfig
+from pipeline.format.final_norm import FinalNormError, read_final_norm
 from pipeline.format.shards import ShardLayout
 from pipeline.intake import model as model_lib
 from pipeline.intake.tokenize import fingerprint_tokenizer
@@ -59,7 +60,15 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         )
     if max(aux) >= n_layers or min(aux) < 0:
         raise PlanError(f"extract.aux_layers {list(aux)}: the model has layers 0..{n_layers - 1}")
-    layout = ShardLayout(tuple(aux), hidden, cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state)
+    final_norm = None
+    if cfg.extract.final_layer == "pre_norm":
+        try:
+            final_norm = read_final_norm(model_dir)
+        except (FinalNormError, OSError, ValueError, KeyError) as e:
+            raise PlanError(f"extract.final_layer=pre_norm: {e}") from None
+    layout = ShardLayout(
+        tuple(aux), hidden, cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state, final_norm
+    )
     cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
     settings = {
         "format_version": layout.metadata()["format_version"],
@@ -70,6 +79,8 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         "overlength": cfg.extract.overlength,
         "encoding": cfg.output.encoding,
         "last_hidden_state_rows": cfg.output.last_hidden_state,
+        "final_layer": layout.final_layer,
+        **({"final_norm": final_norm.describe()} if final_norm is not None else {}),
         "id_field": cfg.input.id_field,
         "turns": cfg.extract.turns,
         "template_kwargs": dict(cfg.extract.template_kwargs),

@@ -20,6 +20,13 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 AUX_CONVENTION = "aux layer i = output of decoder layer i = HF hidden_states[i+1] (residual stream)"
+LAST_CONVENTION = {
+    "pre_norm": (
+        "final residual stream, before the model's final norm (output of the last decoder layer); readers and "
+        "exports apply data_settings.final_norm (stored in each shard's metadata) for the post-norm state"
+    ),
+    "post_norm": "final hidden state after the model's final norm",
+}
 
 
 class SettingsMismatch(RuntimeError):
@@ -83,7 +90,7 @@ def base_manifest(output: str, settings: dict, provenance: dict, config: dict) -
         "output": output,
         "data_settings": settings,
         "aux_layer_convention": AUX_CONVENTION,
-        "last_hidden_state": "final hidden state after the model's final norm",
+        "last_hidden_state": LAST_CONVENTION[settings.get("final_layer", "post_norm")],
         "dtype": "bfloat16",
         **provenance,
         "config": config,

@@ -3,6 +3,9 @@
 Columns: sample_id string, input_ids list<int32>, loss_mask list<uint8>, num_tokens int32 (plain Parquet, zstd),
 aux_hidden_states large_binary ([T, K*H]) and last_hidden_state large_binary ([T, H], or [M, H] for the masked
 rows), each value one sample's bf16 bits in the codec's layout (pipeline/format/codec.py; the README shows the decoder).
+Format 3 stores the final layer before the model's final norm, with the norm in the metadata
+(pipeline/format/final_norm.py); readers give the post-norm state unless asked for the stored one. Format 2
+stored it after the norm, and stays readable.
 Hidden-state values are already compressed, so Parquet stores them uncompressed, unencoded, one page per value:
 the writer only copies bytes. Shape, layer ids and encoding live in the schema metadata (key `hidden_harvest`)
 and in manifest.json; `open_shards` hides the codec.
@@ -21,9 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.format.codec import Codec, to_planes
+from pipeline.format.final_norm import FinalNorm
 from pipeline.format.storage import Store
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+FINAL_LAYERS = ("post_norm", "pre_norm", "stored")  # what a reader may ask for as last_hidden_state
 META_KEY = b"hidden_harvest"
 SHARD_DIR = "shards"
 HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
@@ -37,6 +42,11 @@ class ShardLayout:
     encoding: str = "planes_zstd"
     zstd_level: int = 1
     last_rows: str = "all"  # "all" | "masked": rows of last_hidden_state kept
+    final_norm: FinalNorm | None = None  # set: the final layer is stored pre-norm, and this turns it post-norm
+
+    @property
+    def final_layer(self) -> str:
+        return "pre_norm" if self.final_norm is not None else "post_norm"
 
     @property
     def aux_width(self) -> int:
@@ -56,6 +66,8 @@ class ShardLayout:
             "storage": LAYOUT_DOC,
             "encoding": self.encoding,
             "last_hidden_state_rows": self.last_rows,
+            "final_layer": self.final_layer,
+            **({"final_norm": self.final_norm.to_json()} if self.final_norm is not None else {}),
         }
 
     def schema(self) -> pa.Schema:
@@ -264,13 +276,50 @@ def hidden_bits(table: pa.Table, column: str, i: int, meta: dict, rows: int, wid
     return Codec(meta["encoding"]).decode_bits(table[column][i].as_buffer(), rows, width)
 
 
-def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True, expand_last: bool = True) -> dict:
+_norms: dict[str, FinalNorm] = {}  # by weight sha256: parsed once per process, not per row
+
+
+def final_norm_of(meta: dict) -> FinalNorm | None:
+    """The final norm stored with a shard whose final layer is pre-norm; None for post-norm shards."""
+    d = meta.get("final_norm")
+    if stored_final_layer(meta) != "pre_norm":
+        return None
+    if d is None:
+        raise ValueError("a pre-norm shard without its final norm in the metadata")
+    norm = _norms.get(d["weight_sha256"])
+    if norm is None:
+        norm = _norms[d["weight_sha256"]] = FinalNorm.from_json(d)
+    return norm
+
+
+def stored_final_layer(meta: dict) -> str:
+    """How a shard stores the final layer: format 3 says; formats 1 and 2 stored it after the norm."""
+    return meta.get("final_layer", "post_norm")
+
+
+def decode_row(
+    table: pa.Table, i: int, meta: dict, as_torch: bool = True, expand_last: bool = True, final: str = "post_norm"
+) -> dict:
     """One sample: aux [T, K*H] and last [T, H] bf16 (torch) or uint16 bits (numpy), input_ids, loss_mask.
+
+    `final`: what last_hidden_state holds. post_norm (default): after the model's final norm, applied here
+    to a pre-norm shard (float32 math, one bf16 rounding); pre_norm: before it, which a post-norm shard
+    (format 2, or extract.final_layer=post_norm) cannot give (ValueError); stored: as stored.
+    `final_layer` in the result says which it is.
 
     Outputs written with last_hidden_state_rows="masked" store the final state only where loss_mask is 1:
     `last_hidden_state_positions` gives those positions; with expand_last (default) `last_hidden_state`
     is [T, H] with zeros elsewhere, without it the stored [M, H] rows.
     """
+    if final not in FINAL_LAYERS:
+        raise ValueError(f"final={final!r}: one of {FINAL_LAYERS}")
+    stored = stored_final_layer(meta)
+    if final == "pre_norm" and stored != "pre_norm":
+        raise ValueError(
+            "this output stores the final layer after the model's final norm (format "
+            f"{meta.get('format_version', 1)}, final_layer {stored}): the pre-norm state cannot be recovered from "
+            "it; extract again with extract.final_layer=pre_norm"
+        )
     n = table["num_tokens"][i].as_py()
     out = {"sample_id": table["sample_id"][i].as_py(), "num_tokens": n}
     ids = table["input_ids"][i].values.to_numpy(zero_copy_only=False)
@@ -282,6 +331,10 @@ def decode_row(table: pa.Table, i: int, meta: dict, as_torch: bool = True, expan
         raise ValueError(f"sample {out['sample_id']}: token columns do not match {n} tokens")
     aux = hidden_bits(table, "aux_hidden_states", i, meta, n, meta["aux_width"])
     last = hidden_bits(table, "last_hidden_state", i, meta, last_rows, h)
+    out["final_layer"] = stored
+    if final == "post_norm" and stored == "pre_norm":
+        last = final_norm_of(meta).apply_bits(last)
+        out["final_layer"] = "post_norm"
     if masked:
         positions = np.flatnonzero(mask)
         out["last_hidden_state_positions"] = positions
@@ -309,15 +362,16 @@ def list_shards(store: Store) -> list[str]:
     return store.list(SHARD_DIR, ".parquet")
 
 
-def open_shards(path: str, as_torch: bool = True, expand_last: bool = True) -> Iterator[dict]:
-    """Yield every committed sample under an output (local dir or s3://), shard by shard."""
+def open_shards(path: str, as_torch: bool = True, expand_last: bool = True, final: str = "post_norm") -> Iterator[dict]:
+    """Yield every committed sample under an output (local dir or s3://), shard by shard (`final` as in
+    `decode_row`)."""
     store = Store(path)
     for rel in list_shards(store):
         with store.fs.open(store.path(rel), "rb") as f:
             table = pq.read_table(f)
         meta = read_layout(table.schema)
         for i in range(table.num_rows):
-            yield decode_row(table, i, meta, as_torch=as_torch, expand_last=expand_last)
+            yield decode_row(table, i, meta, as_torch=as_torch, expand_last=expand_last, final=final)
 
 
 def read_token_columns(path: str) -> Iterator[pa.Table]:

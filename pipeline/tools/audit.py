@@ -83,6 +83,7 @@ class AuditReport:
     model: str
     device: str
     rule: NoiseRule
+    final_layer: str = "post_norm"  # the stored convention the final layer was judged under
     samples: list[str] = field(default_factory=list)
     results: list[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
@@ -148,6 +149,7 @@ class AuditReport:
             "output": self.output,
             "model": self.model,
             "device": self.device,
+            "final_layer": self.final_layer,
             "reference": {
                 "engine": "transformers (actors/hf/reference.py)",
                 "runs": [f"{d}, {a} attention" for d, a in REFERENCE_RUNS],
@@ -168,6 +170,7 @@ class AuditReport:
         lines = [
             f"audit of {len(self.samples)} samples from {self.output} against {self.model} ({self.device}):",
             f"  rule: {self.rule.describe()}",
+            f"  final layer judged as stored: {self.final_layer.replace('_', '-')}",
         ]
         for layer, d in self.per_layer().items():
             lines.append(
@@ -245,13 +248,28 @@ class Reference:
     sequence, the K aux blocks then the final state, each [T, H] float32 numpy: the truth's, and for each
     block a tuple of the yardsticks'."""
 
-    def __init__(self, model_dir, aux_layers, device: str = "cpu", max_batch_tokens: int | None = None):
+    def __init__(
+        self,
+        model_dir,
+        aux_layers,
+        device: str = "cpu",
+        max_batch_tokens: int | None = None,
+        final_layer: str = "post_norm",
+    ):
         # On a CPU padding costs as much as real tokens and batching gains little: small batches (measured: half
         # the padded tokens and 30 % less time on the test output); a GPU wants large ones.
         batch_tokens = max_batch_tokens or (16384 if device.startswith("cuda") else 2048)
         self.aux_layers = tuple(aux_layers)
         self._runs = [
-            ReferenceStates(str(model_dir), self.aux_layers, device, dtype, batch_tokens, attn_implementation=attn)
+            ReferenceStates(
+                str(model_dir),
+                self.aux_layers,
+                device,
+                dtype,
+                batch_tokens,
+                attn_implementation=attn,
+                final_layer=final_layer,
+            )
             for dtype, attn in REFERENCE_RUNS
         ]
 
@@ -325,15 +343,17 @@ def audit(
         raise AuditError(f"{store.display()} has no manifest.json: not a hidden-harvest output")
     model_dir = resolve_model_dir(manifest, model)
     aux_layers = tuple(manifest["data_settings"]["aux_layers"])
-    report = AuditReport(store.display(), str(model_dir), device, rule)
+    # The stored final layer is judged as stored, against the reference's state at the same point.
+    final_layer = manifest["data_settings"].get("final_layer", "post_norm")
+    report = AuditReport(store.display(), str(model_dir), device, rule, final_layer)
     chosen = pick_samples(store, samples, seed)
     names = [f"aux layer {layer}" for layer in aux_layers] + ["final"]
-    with Reference(model_dir, aux_layers, device, max_batch_tokens) as reference:
+    with Reference(model_dir, aux_layers, device, max_batch_tokens, final_layer) as reference:
         for rel, rows in chosen.items():
             with store.fs.open(store.path(rel), "rb") as f:
                 table = pq.read_table(f)
             meta = read_layout(table.schema)
-            decoded = [decode_row(table, i, meta, as_torch=False, expand_last=False) for i, _ in rows]
+            decoded = [decode_row(table, i, meta, as_torch=False, expand_last=False, final="stored") for i, _ in rows]
             refs = reference.layers([d["input_ids"].tolist() for d in decoded])
             for d, (truth, yard) in zip(decoded, refs):
                 sid = d["sample_id"]

@@ -36,6 +36,9 @@ forward stays off. Measured on a healthy SGLang capture: at layers 14 and 26 the
 from float32 at one token and SGLang 0.23; at the final layer the yardsticks were back at 0.023 and SGLang
 at 0.25, past 8 x 0.023 though nothing was wrong. Noise cannot flow downwards, so a token's allowance takes
 the largest yardstick distance at that token over this layer and the shallower ones (`judge_layers`).
+Re-measured with it (bench/results/noise_rule.json): the margins above are unchanged, as the worst healthy
+token sits in the shallowest layer and the least-caught corrupted value in the final one (a flipped
+outlier moves a token far beyond any drift it carries).
 """
 
 from __future__ import annotations

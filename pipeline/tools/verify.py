@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from pipeline.format.codec import Codec
 from pipeline.format.errors import error_files, read_errors
 from pipeline.format.manifest import read_manifest
-from pipeline.format.shards import hidden_bits, list_shards, read_layout, shard_name
+from pipeline.format.shards import final_norm_of, hidden_bits, list_shards, read_layout, shard_name, stored_final_layer
 from pipeline.format.storage import Store
 
 
@@ -78,6 +78,18 @@ def _check_shard(store: Store, rel: str, expected: dict) -> tuple[Report, list[s
     for key in ("aux_layers", "hidden_size", "encoding", "last_hidden_state_rows"):
         if meta.get(key, "all" if key == "last_hidden_state_rows" else None) != expected.get(key):
             report.problems.append(f"{rel}: metadata {key}={meta.get(key)!r}, manifest says {expected.get(key)!r}")
+    if stored_final_layer(meta) != expected.get("final_layer", "post_norm"):
+        report.problems.append(
+            f"{rel}: final layer {stored_final_layer(meta)}, manifest says {expected.get('final_layer', 'post_norm')}"
+        )
+    elif stored_final_layer(meta) == "pre_norm":
+        try:
+            sha = final_norm_of(meta).describe()["weight_sha256"]
+        except (ValueError, KeyError) as e:  # FinalNormError is a ValueError
+            report.problems.append(f"{rel}: its final norm cannot be read ({type(e).__name__}: {e})")
+        else:
+            if sha != (expected.get("final_norm") or {}).get("weight_sha256"):
+                report.problems.append(f"{rel}: its final norm is not the one the manifest names")
     sids = table["sample_id"].to_pylist()
     if shard_name(sids) != rel:
         report.problems.append(f"{rel}: name does not match the sample ids it holds (copied or renamed shard?)")

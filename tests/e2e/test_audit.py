@@ -12,7 +12,15 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.format.manifest import MANIFEST, read_manifest, write_manifest
-from pipeline.format.shards import ShardLayout, decode_row, encode_bits, list_shards, read_layout, write_shard
+from pipeline.format.shards import (
+    ShardLayout,
+    decode_row,
+    encode_bits,
+    final_norm_of,
+    list_shards,
+    read_layout,
+    write_shard,
+)
 from pipeline.format.storage import Store
 from pipeline.tools.audit import AUDIT_REPORT, AuditError, audit, pick_samples
 from pipeline.tools.verify import verify
@@ -35,7 +43,7 @@ def _f32(bits: np.ndarray) -> np.ndarray:
 
 
 def _rewrite(out, edit) -> set[str]:
-    """Rewrite every shard through `edit(sample)` (decoded bits, [T, H] final state), re-encoded under the
+    """Rewrite every shard through `edit(sample)` (decoded bits, [T, H] final state as stored), re-encoded under the
     same name; the manifest's byte total follows, so the copy still verifies. Returns the ids edit changed."""
     store = Store(str(out))
     changed, delta = set(), 0
@@ -47,10 +55,11 @@ def _rewrite(out, edit) -> set[str]:
             meta["hidden_size"],
             meta["encoding"],
             last_rows=meta.get("last_hidden_state_rows", "all"),
+            final_norm=final_norm_of(meta),
         )
         samples = []
         for i in range(table.num_rows):
-            s = decode_row(table, i, meta, as_torch=False)
+            s = decode_row(table, i, meta, as_torch=False, final="stored")
             aux, last = s["aux_hidden_states"].copy(), s["last_hidden_state"].copy()
             if edit(s):
                 changed.add(s["sample_id"])
@@ -133,8 +142,12 @@ def _token_rows(out):
         yield from t.to_pylist()
 
 
-@pytest.mark.parametrize("corruption", ["noise in one layer", "another sample's states"])
-def test_audit_fails_on_a_corrupted_sample_and_names_it(copy, capsys, corruption):
+@pytest.mark.parametrize(
+    "corruption", ["noise in one layer", "another sample's states", "the final layer after the norm, labelled before"]
+)
+def test_audit_fails_on_a_corrupted_sample_and_names_it(copy, model_dir, capsys, corruption):
+    from pipeline.format.final_norm import read_final_norm
+
     victim = _victim(copy)
     h = read_manifest(Store(str(copy)))["hidden_size"]
     donor = {}
@@ -149,6 +162,8 @@ def test_audit_fails_on_a_corrupted_sample_and_names_it(copy, capsys, corruption
             n = s["num_tokens"]
             s["aux_hidden_states"] = donor["aux_hidden_states"][:n].copy()
             s["last_hidden_state"] = donor["last_hidden_state"][:n].copy()
+        elif corruption.startswith("the final layer"):  # the audit judges the final layer as the manifest says
+            s["last_hidden_state"] = read_final_norm(model_dir).apply_bits(s["last_hidden_state"])
         else:  # noise at 30 % of each token's RMS in the middle aux layer only
             x = _f32(s["aux_hidden_states"][:, h : 2 * h])
             rms = np.sqrt((x**2).mean(-1, keepdims=True))
@@ -165,7 +180,9 @@ def test_audit_fails_on_a_corrupted_sample_and_names_it(copy, capsys, corruption
     assert report["passed"] is False and sorted(report["samples"]) == _picked(copy)
     assert {f["sample_id"] for f in report["failures"]} == {victim}
     assert report["worst"]["sample_id"] == victim
-    if not donor:  # the middle aux layer's block was edited
+    if corruption.startswith("the final layer"):  # judged as stored: before the norm; only it fails
+        assert {f["layer"] for f in report["failures"]} == {"final"} and report["final_layer"] == "pre_norm"
+    elif not donor:  # the middle aux layer's block was edited
         middle = read_manifest(Store(str(copy)))["aux_layers"][1]
         assert {f["layer"] for f in report["failures"]} == {f"aux layer {middle}"}
     print(f"\n{corruption}: {fail_line}")
@@ -177,7 +194,7 @@ def _decoded(out):
         table = pq.read_table(store.path(rel))
         meta = read_layout(table.schema)
         for i in range(table.num_rows):
-            yield decode_row(table, i, meta, as_torch=False)
+            yield decode_row(table, i, meta, as_torch=False, final="stored")
 
 
 def test_audit_fails_when_an_aux_layer_holds_its_neighbours_states(copy, model_dir, capsys):

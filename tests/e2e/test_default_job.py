@@ -134,7 +134,9 @@ def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_sessio
     lo = np.frombuffer(value, np.uint8, h * t)  # the README's decoder, in full
     hi = np.frombuffer(pa.Codec("zstd").decompress(value[h * t :], h * t), np.uint8)
     bits = (hi.astype(np.uint16) << 8 | lo).reshape(h, t).T
-    want = next(s for s in open_shards(str(out), as_torch=False) if s["sample_id"] == df["sample_id"][0])
+    stored = open_shards(str(out), as_torch=False, final="stored")  # the column as written: before the final norm
+    want = next(s for s in stored if s["sample_id"] == df["sample_id"][0])
+    assert meta["data_settings"]["final_layer"] == want["final_layer"] == "pre_norm"
     np.testing.assert_array_equal(bits, want["last_hidden_state"])
 
 

@@ -112,6 +112,7 @@ class StandInEngine:
             aux_shape=(n, LAYOUT.aux_width),
             last_shape=(n, 8),
             source_dtype="bfloat16",
+            final_layer="post_norm",
         )
         body = np.concatenate(
             [to_planes(fake_bits(ids, LAYOUT.aux_width)).ravel(), to_planes(fake_bits(ids[::-1], 8)).ravel()]

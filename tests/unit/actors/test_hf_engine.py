@@ -53,6 +53,40 @@ def test_captures_match_a_single_request_transformers_forward(model_dir):
     assert check(str(model_dir), "cpu", lengths=(5, 40, 33, 120, 7, 64, 17)) == []
 
 
+def test_pre_norm_captures_are_the_last_layers_output_and_our_norm_of_them_is_the_models(
+    model_dir, text_ids, references
+):
+    """final_layer=pre_norm: the final state is the input of the model's final norm, within bf16 noise of
+    float32; the norm stored with outputs, applied to it, agrees with the norm's own output in the same forward
+    (every token at cosine >= 0.9999; the bit-identical share is printed)."""
+    from actors.hf.decoder import Decoder
+    from pipeline.format.final_norm import read_final_norm
+    from pipeline.format.shards import ShardLayout
+
+    ids = list(text_ids[0])
+    with HFEngine(str(model_dir), AUX, max_batch_tokens=4096, cpu_threads=2, final_layer="pre_norm") as eng:
+        cap = eng.capture([("a", ids)])["a"].capture
+    assert cap.header.final_layer == "pre_norm"
+    references.check("pre-norm", AUX, ids, *cap.bits(), final_layer="pre_norm")
+
+    dec = Decoder(str(model_dir), AUX, "cpu", "bfloat16", final_layer="pre_norm").load()
+    own = []
+    hook = dec.norm.register_forward_hook(lambda _m, _i, out: own.append(out))
+    try:
+        dec.forward([ids], keep=True)
+        _, pre = dec.outputs()
+    finally:
+        hook.remove()
+        dec.close()
+    as_bits = lambda t: t[0].contiguous().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    norm = read_final_norm(model_dir)
+    ours, theirs = norm.apply_bits(as_bits(pre)), as_bits(own[0])
+    np.testing.assert_array_equal(as_bits(pre), cap.bits()[1])  # the engine stores exactly that input
+    assert _cos(_bf16(ours), _bf16(theirs)).min().item() >= 0.9999
+    print(f"\nour final norm vs the model's, same forward: {(ours == theirs).mean():.1%} of values bit-identical")
+    assert ShardLayout(AUX, 576, final_norm=norm).final_layer == "pre_norm"
+
+
 def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir, references):
     h = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
     rng = np.random.default_rng(1)

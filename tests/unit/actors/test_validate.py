@@ -95,3 +95,16 @@ def test_a_dump_whose_header_lacks_a_key_is_refused_when_read(make_dump):
 def test_prefix_reuse_is_rejected_first(capture):
     reason = check_capture(capture(prefix_len=3), IDS, AUX_WIDTH, HIDDEN)
     assert reason == "server reused 3 cached prefix tokens; the capture would be truncated"
+
+
+def test_a_capture_of_another_final_layer_convention_is_refused(capture):
+    """The output stores one convention; a capture labelled with the other is never stored under its name."""
+    post = capture()  # the publisher's default label
+    assert post.header.final_layer == "post_norm"
+    assert check_capture(post, IDS, AUX_WIDTH, HIDDEN, "post_norm") is None
+    assert check_capture(post, IDS, AUX_WIDTH, HIDDEN, "pre_norm") == (
+        "the capture's final layer is post_norm, the output stores pre_norm"
+    )
+    pre = capture(final_layer="pre_norm")
+    assert check_capture(pre, IDS, AUX_WIDTH, HIDDEN, "pre_norm") is None
+    assert "stores post_norm" in check_capture(pre, IDS, AUX_WIDTH, HIDDEN, "post_norm")

@@ -34,3 +34,71 @@ def test_fault_spec_is_parsed_and_unknown_faults_refused(hook_modules, tmp_path)
     assert faults.rates == {"nan": 0.5, "missing": 1.0}
     with pytest.raises(ValueError, match="unknown fault 'typo'"):
         hook_modules.faults.Faults("typo:0.1", None, str(tmp_path))
+
+
+def test_the_final_norm_wrapper_keeps_a_copy_of_the_norms_input_for_extend_batches(hook_modules):
+    """The pre-norm hook point (hidden_harvest_hook._patch_final_norm) on a stand-in with final_norm's contract:
+    the capture callback gets the updated residual, i.e. the final norm's input."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    hook = hook_modules.hook
+
+    def final_norm(hidden_states, forward_batch, layernorm, capture=None, **kwargs):
+        residual = hidden_states + 1  # stands for the fused kernel's add
+        if capture is not None:
+            capture(residual)
+        out = layernorm(residual)
+        residual.zero_()  # borrowed storage: reused once final_norm returns
+        return out
+
+    module = SimpleNamespace(final_norm=final_norm)
+    hook._patch_final_norm(module)
+    wrapped = module.final_norm
+    hook._patch_final_norm(module)  # a second import does not wrap twice
+    assert module.final_norm is wrapped
+
+    def batch(extend: bool):
+        fb = object.__new__(ForwardBatch)
+        fb.forward_mode = SimpleNamespace(is_extend=lambda: extend)
+        return fb
+
+    x, theirs = torch.randn(3, 4), []
+    fb = batch(True)
+    out = module.final_norm(x, fb, lambda r: 2 * r, capture=theirs.append)
+    kept = getattr(fb, hook._PRE_NORM_ATTR)
+    assert torch.equal(kept, x + 1) and torch.equal(out, 2 * (x + 1))  # a copy, taken before the storage was reused
+    assert len(theirs) == 1  # the model's own callback still runs
+    decode = batch(False)
+    module.final_norm(x, decode, lambda r: r)
+    assert not hasattr(decode, hook._PRE_NORM_ATTR)
+
+
+def test_a_batch_without_its_pre_norm_state_gets_error_dumps_never_the_post_norm_one(hook_modules, tmp_path):
+    import json
+    import struct
+
+    import torch
+
+    publisher = hook_modules.publisher.DumpPublisher(str(tmp_path), "hh-")
+    h = torch.zeros(5, 4, dtype=torch.bfloat16)
+    publisher.capture(
+        torch.arange(5),
+        h,
+        [h],
+        ["hh-a", "hh-b", "other"],
+        [2, 2, 1],
+        None,
+        final_layer="pre_norm",
+        error="no pre-norm state",
+    )
+    publisher.flush()
+    for rid in ("hh-a", "hh-b"):
+        data = (tmp_path / f"{rid}.hhd").read_bytes()
+        (n,) = struct.unpack_from("<Q", data)
+        header = json.loads(data[8 : 8 + n])
+        assert header["error"] == "no pre-norm state" and header["num_tokens"] == 0 and len(data) == 8 + n
+        assert header["final_layer"] == "pre_norm"
+    assert not (tmp_path / "other.hhd").exists()

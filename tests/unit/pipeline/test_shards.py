@@ -117,7 +117,7 @@ def test_schema_metadata(written):
     schema = pq.read_schema(store.path(name))
     meta = json.loads(schema.metadata[META_KEY])
     assert meta == {
-        "format_version": 2,
+        "format_version": 3,
         "aux_layers": [2, 15, 27],
         "hidden_size": 16,
         "aux_width": 48,
@@ -125,6 +125,7 @@ def test_schema_metadata(written):
         "storage": "bf16 bits as byte planes [2, W, T] (low plane stored, high plane per encoding), see README",
         "encoding": meta["encoding"],
         "last_hidden_state_rows": "all",
+        "final_layer": "post_norm",  # this layout has no final norm: a pre-norm one adds it (test_final_norm.py)
     }
     assert meta["encoding"] in ("planes_zstd", "raw")
     assert read_layout(schema) == meta

@@ -6,6 +6,14 @@ stream after each layer chosen by ``--return-aux-hidden-state-layer-ids``; rows 
 map to requests through ``forward_batch.rids``, ``extend_seq_lens_cpu`` and ``extend_prefix_lens_cpu``.
 Pruning to the last token happens later inside that function, so the entry sees every row. Everything
 SGLang-specific is here; what is done with the rows is hidden_harvest_publisher.py (version-independent).
+
+The final layer before the norm (HIDDEN_HARVEST_FINAL=pre_norm): models end their layer stack with
+``layer_boundary.residual.batch.final_norm(hidden_states, forward_batch, norm, capture=None)``, whose
+``capture`` callback receives the updated residual, i.e. the input of the final norm (the fused kernel
+adds the last layer's output and the residual, then normalizes). The wrapper below passes a callback that
+keeps a copy on the forward batch, and the LogitsProcessor wrapper dumps that copy as the final layer. A
+model that never calls final_norm (gemma2 and gemma3 in this version) leaves no copy: its requests get a
+dump with an error, never the post-norm state under a pre-norm label.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from hidden_harvest_imports import patch_after_import
 
 PINNED_SGLANG_VERSION = "0.5.23"
 _TARGET_MODULE = "sglang.srt.layers.logits_processor"
+_NORM_MODULE = "sglang.srt.layers.layer_boundary.residual.batch"
+_PRE_NORM_ATTR = "_hidden_harvest_pre_norm"  # on the ForwardBatch, set by final_norm, read by the logits hook
+FINAL_LAYER = os.environ.get("HIDDEN_HARVEST_FINAL", "post_norm")
 
 logger = logging.getLogger("hidden_harvest_hook")
 
@@ -88,8 +99,24 @@ def _patch(module) -> None:
                     "hidden-harvest's hook is being captured into a CUDA graph: a replay would skip it and no "
                     "hidden states would be dumped; run SGLang with --disable-prefill-cuda-graph (the engine does)"
                 )
+            final, error = hidden_states, None
+            if FINAL_LAYER == "pre_norm":
+                final = getattr(fb, _PRE_NORM_ATTR, None)
+                if final is None:
+                    error = (
+                        f"no pre-norm state: this model's forward does not end in {_NORM_MODULE}.final_norm "
+                        "(unsupported by the SGLang 0.5.23 hook); extract with extract.final_layer=post_norm"
+                    )
+                    final = hidden_states
             _publisher.capture(
-                input_ids, hidden_states, aux_hidden_states, fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+                input_ids,
+                final,
+                aux_hidden_states,
+                fb.rids,
+                fb.extend_seq_lens_cpu,
+                fb.extend_prefix_lens_cpu,
+                final_layer=FINAL_LAYER,
+                error=error,
             )
         return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states, *args, **kwargs)
 
@@ -102,5 +129,33 @@ def _patch(module) -> None:
     )
 
 
+def _patch_final_norm(module) -> None:
+    _check_version()
+    original = module.final_norm
+    if getattr(original, "_hidden_harvest", False):
+        return
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    def final_norm(hidden_states, forward_batch, layernorm, capture=None, **kwargs):
+        if not (isinstance(forward_batch, ForwardBatch) and forward_batch.forward_mode.is_extend()):
+            return original(hidden_states, forward_batch, layernorm, capture, **kwargs)
+
+        def keep(residual):
+            # The residual's storage is borrowed (final_norm's contract): keep a copy until the logits hook.
+            setattr(forward_batch, _PRE_NORM_ATTR, residual.clone())
+            if capture is not None:
+                capture(residual)
+
+        return original(hidden_states, forward_batch, layernorm, keep, **kwargs)
+
+    final_norm._hidden_harvest = True
+    module.final_norm = final_norm
+    logger.info("hidden-harvest: final layer captured before the final norm (%s.final_norm)", _NORM_MODULE)
+
+
 def install_import_hook() -> None:
     patch_after_import(_TARGET_MODULE, _patch)
+    if FINAL_LAYER == "pre_norm":
+        patch_after_import(_NORM_MODULE, _patch_final_norm)
+    elif FINAL_LAYER != "post_norm":
+        raise RuntimeError(f"HIDDEN_HARVEST_FINAL={FINAL_LAYER!r}: pre_norm or post_norm")

@@ -54,6 +54,7 @@ class _Job:
     aux_width: int
     hidden_size: int
     source_dtype: str
+    final_layer: str = "post_norm"  # what the final planes hold: the norm's output, or its input (pre_norm)
 
 
 def _blocks(aux) -> list:
@@ -114,8 +115,19 @@ class DumpPublisher:
             buf = self._hosts[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         return buf
 
-    def capture(self, input_ids, hidden_states, aux_hidden_states, rids, seq_lens, prefix_lens) -> None:
-        """Forward path: queue the device work and the copy; never waits for the host."""
+    def capture(
+        self,
+        input_ids,
+        hidden_states,
+        aux_hidden_states,
+        rids,
+        seq_lens,
+        prefix_lens,
+        final_layer: str = "post_norm",
+        error: str | None = None,
+    ) -> None:
+        """Forward path: queue the device work and the copy; never waits for the host. `hidden_states`: the
+        final layer as `final_layer` says. `error`: the batch cannot be captured; each request's dump says why."""
         rids = list(rids or [])
         if not any(r.startswith(self.prefix) for r in rids):
             return
@@ -131,7 +143,14 @@ class DumpPublisher:
                 requests.append(_Request(rid, start, int(n), int(p), offset))
                 offset += 2 * (aux_width + hidden) * int(n)
             start += int(n)
-        job = _Job(self._free.get(), None, rows, offset, requests, aux_width, hidden, str(blocks[0].dtype))
+        if error is not None:
+            import numpy as np
+
+            job = _Job(-1, None, 0, 0, [], aux_width, hidden, str(blocks[0].dtype), final_layer)
+            for r in requests:
+                self._publish(r.rid, r.prefix_len, np.zeros(0, dtype=np.int32), 0, job, [], error=error)
+            return
+        job = _Job(self._free.get(), None, rows, offset, requests, aux_width, hidden, str(blocks[0].dtype), final_layer)
         try:
             self._queue_copy(job, input_ids, hidden_states, blocks)
         except Exception:  # never break the forward: the client finds no dump and retries the request
@@ -252,6 +271,7 @@ class DumpPublisher:
             "aux_shape": [n, job.aux_width],
             "last_shape": [n, job.hidden_size],
             "source_dtype": job.source_dtype,
+            "final_layer": job.final_layer,
         }
         if error:
             header["error"] = error

@@ -1,0 +1,181 @@
+"""`harvest export` (pipeline/tools/export.py) on real shards: each trainer's files hold what that trainer reads
+(keys, dtypes, shapes, which side of the final norm), a killed export rerun completes with nothing twice,
+the verify step catches a damaged file, and exports a trainer cannot use are refused with the reason."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.format.final_norm import FinalNorm
+from pipeline.format.manifest import base_manifest, write_manifest
+from pipeline.format.shards import ShardLayout, encode_bits, write_shard
+from pipeline.format.storage import Store
+from pipeline.tools.export import ExportError, export
+from tests_support import random_bf16
+
+H = 16
+
+
+def make_output(path, aux_layers=(1, 3, 5), final="pre_norm", rows="all", status="complete", shards=3, seed=0):
+    """A small output: `shards` shards of 2-4 samples of 3-9 tokens, random finite states, a final norm."""
+    rng = np.random.default_rng(seed)
+    norm = FinalNorm("rms", 1e-5, rng.uniform(0.5, 2, H).astype(np.float32)) if final == "pre_norm" else None
+    layout = ShardLayout(tuple(aux_layers), H, last_rows=rows, final_norm=norm)
+    store, samples, k = Store(str(path)), {}, 0
+    for _ in range(shards):
+        batch = []
+        for _ in range(int(rng.integers(2, 5))):
+            t = int(rng.integers(3, 10))
+            ids, mask = rng.integers(0, 1000, t).tolist(), [0] * (t // 2) + [1] * (t - t // 2)
+            aux, last = random_bf16(rng, t, layout.aux_width), random_bf16(rng, t, H)
+            samples[f"s{k}"] = (ids, mask, aux, last)
+            batch.append(encode_bits(f"s{k}", ids, mask, aux, last, layout))
+            k += 1
+        write_shard(store, batch, layout)
+    settings = {"final_layer": layout.final_layer, "last_hidden_state_rows": rows, "aux_layers": list(aux_layers)}
+    if norm is not None:
+        settings["final_norm"] = norm.describe()
+    manifest = base_manifest(str(path), settings, {"aux_layers": list(aux_layers), "hidden_size": H}, {})
+    write_manifest(store, manifest | {"status": status, "totals": {"samples_ok": len(samples)}})
+    return samples, norm
+
+
+def _load_torch(path, weights_only=True):
+    import torch
+
+    return torch.load(io.BytesIO(path.read_bytes()), weights_only=weights_only)
+
+
+def _bits(t):
+    import torch
+
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.fixture
+def source(tmp_path):
+    samples, norm = make_output(tmp_path / "out")
+    return tmp_path / "out", samples, norm
+
+
+def test_specforge_files_hold_its_keys_post_norm_and_three_aux_layers(source, tmp_path):
+    import torch
+
+    out, samples, norm = source
+    report = export(str(out), "specforge", str(tmp_path / "sf"))
+    assert report.ok and report.written == report.samples == len(samples), report.text()
+    record = json.loads((tmp_path / "sf" / "export.json").read_text())
+    files = sorted((tmp_path / "sf").glob("*.ckpt"))
+    assert len(files) == len(samples) and record["final_layer"] == "post_norm"
+    for f, sid in zip(files, record["sample_ids"]):
+        ids, mask, aux, last = samples[sid]
+        d = _load_torch(f, weights_only=False)
+        assert set(d) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        t = len(ids)
+        assert d["input_ids"].dtype == d["loss_mask"].dtype == torch.int64 and d["input_ids"].tolist() == ids
+        assert d["aux_hidden_state"].dtype == torch.bfloat16 and d["aux_hidden_state"].shape == (1, t, 3 * H)
+        assert d["hidden_state"].shape == (1, t, H)
+        np.testing.assert_array_equal(_bits(d["aux_hidden_state"][0]), aux)
+        np.testing.assert_array_equal(_bits(d["hidden_state"][0]), norm.apply_bits(last))  # after the norm
+
+
+def test_speculators_files_stack_aux_then_the_pre_norm_final_layer(source, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    out, samples, _ = source
+    report = export(str(out), "speculators", str(tmp_path / "sp"))
+    assert report.ok, report.text()
+    record = json.loads((tmp_path / "sp" / "export.json").read_text())
+    assert record["final_layer"] == "pre_norm"
+    assert record["hidden_state_layer_ids (HF hidden_states indices, aux then final)"] == [2, 4, 6]
+    rows = [json.loads(line) for line in (tmp_path / "sp" / "rows.jsonl").read_text().splitlines()]
+    assert _load_torch(tmp_path / "sp" / "token_freq.pt") == _masked_token_counts(samples)
+    for i, sid in enumerate(record["sample_ids"]):
+        ids, mask, aux, last = samples[sid]
+        d = load_file(str(tmp_path / "sp" / "hidden_states" / f"hs_{i}.safetensors"))
+        t = len(ids)
+        assert d["hidden_states"].dtype == torch.bfloat16 and d["hidden_states"].shape == (t, 4, H)
+        assert d["token_ids"].tolist() == ids == rows[i]["input_ids"] and rows[i]["seq_len"] == t
+        assert rows[i]["loss_mask"] == mask
+        np.testing.assert_array_equal(_bits(d["hidden_states"][:, :-1].reshape(t, -1)), aux)
+        np.testing.assert_array_equal(_bits(d["hidden_states"][:, -1]), last)  # before the norm, as stored
+
+
+def _masked_token_counts(samples):
+    from collections import Counter
+
+    c = Counter()
+    for ids, mask, _, _ in samples.values():
+        c.update(i for i, m in zip(ids, mask) if m)
+    return dict(sorted(c.items()))
+
+
+def test_modelopt_files_hold_its_keys(source, tmp_path):
+    import torch
+
+    out, samples, norm = source
+    assert export(str(out), "modelopt", str(tmp_path / "mo")).ok
+    record = json.loads((tmp_path / "mo" / "export.json").read_text())
+    for f, sid in zip(sorted((tmp_path / "mo").glob("*.pt")), record["sample_ids"]):
+        ids, mask, aux, last = samples[sid]
+        d = _load_torch(f)  # weights_only, as Model-Optimizer loads them
+        assert d["conversation_id"] == sid and d["hidden_states_prenorm"] is False
+        assert d["loss_mask"].dtype == torch.int64 and d["loss_mask"].tolist() == mask
+        np.testing.assert_array_equal(_bits(d["aux_hidden_states"]), aux)
+        np.testing.assert_array_equal(_bits(d["hidden_states"]), norm.apply_bits(last))
+
+
+def test_a_killed_export_rerun_completes_with_nothing_twice(source, tmp_path):
+    out, samples, _ = source
+    dest = tmp_path / "sf"
+    first = export(str(out), "specforge", str(dest))
+    files = sorted(dest.glob("*.ckpt"))
+    for f in files[::2]:  # as if killed before these were written
+        f.unlink()
+    (dest / ".tmp-deadbeef-000000001.ckpt").write_bytes(b"partial")  # and mid-write of one
+    again = export(str(out), "specforge", str(dest))
+    assert again.ok and again.written == len(files[::2]) and again.skipped == first.samples - again.written
+    assert sorted(p.name for p in dest.iterdir()) == sorted([f.name for f in files] + ["export.json"])
+
+
+def test_verify_catches_a_damaged_file(source, tmp_path):
+    out, _, _ = source
+    dest = tmp_path / "sp"
+    assert export(str(out), "speculators", str(dest)).ok
+    victim = dest / "hidden_states" / "hs_1.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x40  # one bit of the last token's ids
+    victim.write_bytes(bytes(data))
+    report = export(str(out), "speculators", str(dest))  # present files are kept, then all re-read
+    assert not report.ok and any("hs_1.safetensors" in p for p in report.problems), report.text()
+
+
+def test_exports_a_trainer_cannot_use_are_refused(tmp_path):
+    make_output(tmp_path / "post", final="post_norm")
+    with pytest.raises(
+        ExportError, match="speculators trains on the final layer before the norm.*final_layer=pre_norm"
+    ):
+        export(str(tmp_path / "post"), "speculators", str(tmp_path / "x"))
+    assert export(str(tmp_path / "post"), "specforge", str(tmp_path / "sf-post")).ok  # post-norm is what it reads
+    make_output(tmp_path / "two", aux_layers=(1, 3))
+    with pytest.raises(ExportError, match="exactly 3 aux layers"):
+        export(str(tmp_path / "two"), "specforge", str(tmp_path / "y"))
+    make_output(tmp_path / "masked", rows="masked")
+    with pytest.raises(ExportError, match="trained positions only"):
+        export(str(tmp_path / "masked"), "modelopt", str(tmp_path / "z"))
+    make_output(tmp_path / "running", status="running")
+    with pytest.raises(ExportError, match="not complete"):
+        export(str(tmp_path / "running"), "modelopt", str(tmp_path / "w"))
+    with pytest.raises(ExportError, match="one of"):
+        export(str(tmp_path / "post"), "eagle", str(tmp_path / "v"))
+    # A destination holding another output's export is not mixed into.
+    make_output(tmp_path / "other", seed=9)
+    assert export(str(tmp_path / "other"), "modelopt", str(tmp_path / "mo")).ok
+    make_output(tmp_path / "third", seed=10, shards=2)
+    with pytest.raises(ExportError, match="another output"):
+        export(str(tmp_path / "third"), "modelopt", str(tmp_path / "mo"))
