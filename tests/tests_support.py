@@ -51,6 +51,39 @@ def processes_matching(needle: str, under: int | None = None, since: float | Non
     return found
 
 
+def make_output(path, aux_layers=(1, 3, 5), final="pre_norm", rows="all", status="complete", shards=3, seed=0, H=16):
+    """A small output written by the real shard writer, with its manifest: `shards` shards of 2-4 samples of
+    3-9 tokens, random finite states, hidden size H, a final norm (final="pre_norm"). Returns
+    ({sample_id: (ids, mask, aux bits, stored last bits)}, the FinalNorm or None)."""
+    import numpy as np
+
+    from pipeline.format.final_norm import FinalNorm
+    from pipeline.format.manifest import base_manifest, write_manifest
+    from pipeline.format.shards import ShardLayout, encode_bits, write_shard
+    from pipeline.format.storage import Store
+
+    rng = np.random.default_rng(seed)
+    norm = FinalNorm("rms", 1e-5, rng.uniform(0.5, 2, H).astype(np.float32)) if final == "pre_norm" else None
+    layout = ShardLayout(tuple(aux_layers), H, last_rows=rows, final_norm=norm)
+    store, samples, k = Store(str(path)), {}, 0
+    for _ in range(shards):
+        batch = []
+        for _ in range(int(rng.integers(2, 5))):
+            t = int(rng.integers(3, 10))
+            ids, mask = rng.integers(0, 1000, t).tolist(), [0] * (t // 2) + [1] * (t - t // 2)
+            aux, last = random_bf16(rng, t, layout.aux_width), random_bf16(rng, t, H)
+            samples[f"s{k}"] = (ids, mask, aux, last)
+            batch.append(encode_bits(f"s{k}", ids, mask, aux, last, layout))
+            k += 1
+        write_shard(store, batch, layout)
+    settings = {"final_layer": layout.final_layer, "last_hidden_state_rows": rows, "aux_layers": list(aux_layers)}
+    if norm is not None:
+        settings["final_norm"] = norm.describe()
+    manifest = base_manifest(str(path), settings, {"aux_layers": list(aux_layers), "hidden_size": H}, {})
+    write_manifest(store, manifest | {"status": status, "totals": {"samples_ok": len(samples)}})
+    return samples, norm
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:

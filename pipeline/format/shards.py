@@ -311,6 +311,32 @@ def decode_row(
     `last_hidden_state_positions` gives those positions; with expand_last (default) `last_hidden_state`
     is [T, H] with zeros elsewhere, without it the stored [M, H] rows.
     """
+    return decode_sample(
+        table["sample_id"][i].as_py(),
+        table["input_ids"][i].values.to_numpy(zero_copy_only=False),
+        table["loss_mask"][i].values.to_numpy(zero_copy_only=False),
+        table["num_tokens"][i].as_py(),
+        lambda column, rows, width: hidden_bits(table, column, i, meta, rows, width),
+        meta,
+        as_torch,
+        expand_last,
+        final,
+    )
+
+
+def decode_sample(
+    sample_id: str,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    n: int,
+    hidden,
+    meta: dict,
+    as_torch: bool = True,
+    expand_last: bool = True,
+    final: str = "post_norm",
+) -> dict:
+    """`decode_row` from a sample's parts, wherever they were read (a Parquet table, a Ray Data batch):
+    `hidden(column, rows, width)` gives a hidden column's uint16 bits [rows, width]."""
     if final not in FINAL_LAYERS:
         raise ValueError(f"final={final!r}: one of {FINAL_LAYERS}")
     stored = stored_final_layer(meta)
@@ -320,17 +346,14 @@ def decode_row(
             f"{meta.get('format_version', 1)}, final_layer {stored}): the pre-norm state cannot be recovered from "
             "it; extract again with extract.final_layer=pre_norm"
         )
-    n = table["num_tokens"][i].as_py()
-    out = {"sample_id": table["sample_id"][i].as_py(), "num_tokens": n}
-    ids = table["input_ids"][i].values.to_numpy(zero_copy_only=False)
-    mask = table["loss_mask"][i].values.to_numpy(zero_copy_only=False)
+    out = {"sample_id": sample_id, "num_tokens": n}
     h = meta["hidden_size"]
     masked = meta.get("last_hidden_state_rows", "all") == "masked"
     last_rows = int(mask.sum()) if masked else n
     if ids.size != n or mask.size != n:
-        raise ValueError(f"sample {out['sample_id']}: token columns do not match {n} tokens")
-    aux = hidden_bits(table, "aux_hidden_states", i, meta, n, meta["aux_width"])
-    last = hidden_bits(table, "last_hidden_state", i, meta, last_rows, h)
+        raise ValueError(f"sample {sample_id}: token columns do not match {n} tokens")
+    aux = hidden("aux_hidden_states", n, meta["aux_width"])
+    last = hidden("last_hidden_state", last_rows, h)
     out["final_layer"] = stored
     if final == "post_norm" and stored == "pre_norm":
         last = final_norm_of(meta).apply_bits(last)

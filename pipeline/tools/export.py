@@ -105,8 +105,22 @@ class _Layout:
     def name(self, i: int) -> str:
         raise NotImplementedError
 
-    def encode(self, i: int, s: dict) -> bytes:
+    def encode(self, i: int, s: dict):
+        """What the file holds: bytes, or an object torch.save writes (straight into the file: copying into a
+        buffer first holds the GIL, and shards are written on threads)."""
         raise NotImplementedError
+
+    def write(self, out: Store, name: str, i: int, s: dict) -> int:
+        """Write sample i's file whole under `name`; returns its size."""
+        obj = self.encode(i, s)
+        with out.open_atomic(name) as f:
+            if isinstance(obj, bytes):
+                f.write(obj)
+            else:
+                import torch
+
+                torch.save(obj, f)
+            return f.tell()
 
     def decode(self, data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids, loss_mask, aux bits [T, K*H], final bits [T, H]) as the trainer would load them."""
@@ -130,14 +144,12 @@ class _SpecForge(_Layout):
     def encode(self, i, s):
         import torch
 
-        return _torch_bytes(
-            {
-                "input_ids": torch.from_numpy(s["input_ids"].astype(np.int64)),
-                "loss_mask": torch.from_numpy(s["loss_mask"].astype(np.int64)),
-                "aux_hidden_state": _bf16(s["aux_hidden_states"])[None],
-                "hidden_state": _bf16(s["last_hidden_state"])[None],
-            }
-        )
+        return {
+            "input_ids": torch.from_numpy(s["input_ids"].astype(np.int64)),
+            "loss_mask": torch.from_numpy(s["loss_mask"].astype(np.int64)),
+            "aux_hidden_state": _bf16(s["aux_hidden_states"])[None],
+            "hidden_state": _bf16(s["last_hidden_state"])[None],
+        }
 
     def decode(self, data):
         import torch
@@ -161,16 +173,14 @@ class _ModelOpt(_Layout):
     def encode(self, i, s):
         import torch
 
-        return _torch_bytes(
-            {
-                "input_ids": torch.from_numpy(s["input_ids"].astype(np.int64)),
-                "loss_mask": torch.from_numpy(s["loss_mask"].astype(np.int64)),
-                "aux_hidden_states": _bf16(s["aux_hidden_states"]),
-                "hidden_states": _bf16(s["last_hidden_state"]),
-                "hidden_states_prenorm": False,
-                "conversation_id": s["sample_id"],
-            }
-        )
+        return {
+            "input_ids": torch.from_numpy(s["input_ids"].astype(np.int64)),
+            "loss_mask": torch.from_numpy(s["loss_mask"].astype(np.int64)),
+            "aux_hidden_states": _bf16(s["aux_hidden_states"]),
+            "hidden_states": _bf16(s["last_hidden_state"]),
+            "hidden_states_prenorm": False,
+            "conversation_id": s["sample_id"],
+        }
 
     def decode(self, data):
         import torch
@@ -188,19 +198,32 @@ class _Speculators(_Layout):
     def name(self, i):
         return f"hidden_states/hs_{i}.safetensors"
 
-    def encode(self, i, s):
+    def tensors(self, s) -> dict:
         import torch
-        from safetensors.torch import save
 
         k, h = len(self.aux_layers), self.hidden
         aux = _bf16(s["aux_hidden_states"]).view(-1, k, h)
         final = _bf16(s["last_hidden_state"])[:, None]
-        return save(
-            {
-                "hidden_states": torch.cat([aux, final], dim=1).contiguous(),
-                "token_ids": torch.from_numpy(s["input_ids"].astype(np.int64)),
-            }
-        )
+        return {
+            "hidden_states": torch.cat([aux, final], dim=1).contiguous(),
+            "token_ids": torch.from_numpy(s["input_ids"].astype(np.int64)),
+        }
+
+    def encode(self, i, s):
+        from safetensors.torch import save
+
+        return save(self.tensors(s))
+
+    def write(self, out, name, i, s):
+        # safetensors writes a file itself (the bytes it would return are built holding the GIL: 0.68 GB/s
+        # against ~1.1 for the torch layouts on 16 threads); staged, then renamed or uploaded whole.
+        from safetensors.torch import save_file
+
+        tmp = out.stage(os.path.dirname(name))
+        save_file(self.tensors(s), tmp)
+        size = os.path.getsize(tmp)
+        out.commit_staged(tmp, name)
+        return size
 
     def decode(self, data):
         from safetensors.torch import load
@@ -235,10 +258,109 @@ def _check_source(store: Store, trainer: str) -> tuple[dict, tuple[int, ...], in
     return manifest, tuple(manifest["aux_layers"]), int(manifest["hidden_size"])
 
 
+@dataclass(frozen=True)
+class _Task:
+    """One shard's export or verify: plain values (a Store is opened per task, as a worker process would)."""
+
+    output: str
+    dest: str
+    trainer: str
+    aux_layers: tuple[int, ...]
+    hidden: int
+    shard: str
+    start: int  # the global index of the shard's first row
+    present: frozenset  # names of this shard's files already in DEST
+
+
+def _layout(task: _Task) -> _Layout:
+    return _LAYOUTS[task.trainer](task.aux_layers, task.hidden)
+
+
+def _read(task: _Task, columns=None):
+    src = Store(task.output)
+    with src.fs.open(src.path(task.shard), "rb") as f:
+        return pq.read_table(f, columns=columns)
+
+
+def _export_shard(task: _Task):
+    """(written, skipped, bytes written, [(sample_id, ids, mask)] in row order)."""
+    layout, out = _layout(task), Store(task.dest)
+    names = [layout.name(task.start + r) for r in range(_num_rows(task))]
+    rows, written, nbytes = [], 0, 0
+    if all(n in task.present for n in names):  # a rerun: the token columns are all that is needed
+        t = _read(task, ["sample_id", "input_ids", "loss_mask"])
+        for r in range(t.num_rows):
+            rows.append(
+                (
+                    t["sample_id"][r].as_py(),
+                    t["input_ids"][r].values.to_numpy(zero_copy_only=False),
+                    t["loss_mask"][r].values.to_numpy(zero_copy_only=False),
+                )
+            )
+        return 0, len(names), 0, rows
+    table = _read(task)
+    meta = read_layout(table.schema)
+    if layout.final == "pre_norm" and stored_final_layer(meta) != "pre_norm":
+        raise ExportError(f"{task.shard}: stored after the final norm; {task.trainer} needs it before")
+    for r, name in enumerate(names):
+        s = decode_row(table, r, meta, as_torch=False, final=layout.final)
+        rows.append((s["sample_id"], s["input_ids"], s["loss_mask"]))
+        if name in task.present:
+            continue
+        written, nbytes = written + 1, nbytes + layout.write(out, name, task.start + r, s)
+    return written, len(names) - written, nbytes, rows
+
+
+def _num_rows(task: _Task) -> int:
+    src = Store(task.output)
+    with src.fs.open(src.path(task.shard), "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def _verify_shard(task: _Task):
+    """(samples equal to the source, problems)."""
+    layout, out = _layout(task), Store(task.dest)
+    table = _read(task)
+    meta = read_layout(table.schema)
+    problems, ok = [], 0
+    for r in range(table.num_rows):
+        name = layout.name(task.start + r)
+        s = decode_row(table, r, meta, as_torch=False, final=layout.final)
+        try:
+            ids, mask, aux, last = layout.decode(out.read_bytes(name))
+        except Exception as e:  # noqa: BLE001 -- an unreadable file is a finding
+            problems.append(f"{name}: cannot be read ({type(e).__name__}: {e}; remove it and export again)")
+            continue
+        same = (
+            np.array_equal(ids, s["input_ids"])
+            and (mask is None or np.array_equal(mask, s["loss_mask"]))
+            and np.array_equal(aux, s["aux_hidden_states"])
+            and np.array_equal(last, s["last_hidden_state"])
+        )
+        if same:
+            ok += 1
+        else:
+            problems.append(f"{name}: differs from source sample {s['sample_id']} (remove it and export again)")
+    return ok, problems
+
+
+def _map(fn, tasks: list[_Task], workers: int):
+    """Shards on a thread pool (zstd, numpy and file writes release the GIL). Measured on 16 cores
+    (bench/results/export_loader_h200.json): ~1 GB/s of raw bf16 with threads, 0.43-0.58 with spawned
+    worker processes, whose start and imports cost more than the GIL does at these sizes."""
+    if workers <= 1 or len(tasks) <= 1:
+        yield from map(fn, tasks)
+        return
+    with ThreadPoolExecutor(min(workers, len(tasks))) as pool:
+        yield from pool.map(fn, tasks)
+
+
 def export(output: str, trainer: str, dest: str, workers: int | None = None, verify: bool = True) -> ExportReport:
+    """Export `output` for `trainer` into `dest`; `workers` shards at once (default: the cores, at most 16)."""
     if trainer not in TRAINERS:
         raise ExportError(f"--to {trainer}: one of {', '.join(TRAINERS)}")
     t0 = time.monotonic()
+    workers = max(1, workers or min(16, os.cpu_count() or 1))
     src, out = Store(output), Store(dest)
     manifest, aux_layers, hidden = _check_source(src, trainer)
     layout = _LAYOUTS[trainer](aux_layers, hidden)
@@ -252,43 +374,36 @@ def export(output: str, trainer: str, dest: str, workers: int | None = None, ver
     record = out.read_bytes(EXPORT_RECORD) if out.exists(EXPORT_RECORD) else None
     if record is not None and json.loads(record).get("source_manifest_sha") != _manifest_sha(manifest):
         raise ExportError(f"{out.display()} holds an export of another output (or of this one before a change)")
-    for sub in {os.path.dirname(layout.name(0)), ""}:
-        out.clean_temporaries(sub)
-    present = set(out.list(os.path.dirname(layout.name(0))))
+    sub = os.path.dirname(layout.name(0))
+    out.clean_temporaries(sub)
+    present = set(out.list(sub))
+    tasks = [
+        _Task(
+            output,
+            dest,
+            trainer,
+            aux_layers,
+            hidden,
+            rel,
+            starts[j],
+            frozenset(n for i in range(starts[j], starts[j + 1]) if (n := layout.name(i)) in present),
+        )
+        for j, rel in enumerate(shards)
+    ]
+    rows: list = []
     tokens: Counter = Counter()
-    rows: list = [None] * report.samples
-
-    def one_shard(j: int):
-        with src.fs.open(src.path(shards[j]), "rb") as f:
-            table = pq.read_table(f)
-        meta = read_layout(table.schema)
-        if layout.final == "pre_norm" and stored_final_layer(meta) != "pre_norm":
-            raise ExportError(f"{shards[j]}: stored after the final norm; {trainer} needs it before")
-        written = skipped = nbytes = 0
-        local_tokens: Counter = Counter()
-        for r in range(table.num_rows):
-            i = starts[j] + r
-            s = decode_row(table, r, meta, as_torch=False, final=layout.final)
-            rows[i] = (s["sample_id"], s["input_ids"], s["loss_mask"])
-            local_tokens.update(s["input_ids"][s["loss_mask"].astype(bool)].tolist())
-            name = layout.name(i)
-            if name in present:
-                skipped += 1
-                continue
-            data = layout.encode(i, s)
-            out.write_bytes(name, data)
-            written, nbytes = written + 1, nbytes + len(data)
-        return written, skipped, nbytes, local_tokens
-
-    with ThreadPoolExecutor(max(1, workers or min(8, os.cpu_count() or 1))) as pool:
-        for written, skipped, nbytes, local_tokens in pool.map(one_shard, range(len(shards))):
-            report.written += written
-            report.skipped += skipped
-            report.bytes_written += nbytes
-            tokens.update(local_tokens)
+    for written, skipped, nbytes, shard_rows in _map(_export_shard, tasks, workers):
+        report.written += written
+        report.skipped += skipped
+        report.bytes_written += nbytes
+        rows.extend(shard_rows)  # in shard order: the global index
+    for _, ids, mask in rows:
+        tokens.update(ids[mask.astype(bool)].tolist())
     _write_side_files(out, trainer, layout, rows, tokens, manifest)
     if verify:
-        _verify(src, out, layout, shards, starts, report, workers)
+        for ok, problems in _map(_verify_shard, tasks, workers):
+            report.verified += ok
+            report.problems.extend(problems)
     else:
         report.verified = report.samples
     report.seconds = time.monotonic() - t0
@@ -322,35 +437,3 @@ def _write_side_files(out: Store, trainer: str, layout: _Layout, rows, tokens: C
         "sample_ids": [sid for sid, _, _ in rows],
     }
     out.write_bytes(EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
-
-
-def _verify(src: Store, out: Store, layout: _Layout, shards, starts, report: ExportReport, workers) -> None:
-    def one_shard(j: int):
-        problems, ok = [], 0
-        with src.fs.open(src.path(shards[j]), "rb") as f:
-            table = pq.read_table(f)
-        meta = read_layout(table.schema)
-        for r in range(table.num_rows):
-            i = starts[j] + r
-            s = decode_row(table, r, meta, as_torch=False, final=layout.final)
-            try:
-                ids, mask, aux, last = layout.decode(out.read_bytes(layout.name(i)))
-            except Exception as e:  # noqa: BLE001 -- an unreadable file is a finding
-                problems.append(f"{layout.name(i)}: cannot be read ({type(e).__name__}: {e})")
-                continue
-            same = (
-                np.array_equal(ids, s["input_ids"])
-                and (mask is None or np.array_equal(mask, s["loss_mask"]))
-                and np.array_equal(aux, s["aux_hidden_states"])
-                and np.array_equal(last, s["last_hidden_state"])
-            )
-            if same:
-                ok += 1
-            else:
-                problems.append(f"{layout.name(i)}: differs from source sample {s['sample_id']}")
-        return ok, problems
-
-    with ThreadPoolExecutor(max(1, workers or min(8, os.cpu_count() or 1))) as pool:
-        for ok, problems in pool.map(one_shard, range(len(shards))):
-            report.verified += ok
-            report.problems.extend(problems)

@@ -10,38 +10,16 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.format.final_norm import FinalNorm
-from pipeline.format.manifest import base_manifest, write_manifest
-from pipeline.format.shards import ShardLayout, encode_bits, write_shard
-from pipeline.format.storage import Store
-from pipeline.tools.export import ExportError, export
-from tests_support import random_bf16
+from pipeline.tools.export import ExportError
+from pipeline.tools.export import export as export_in
+from tests_support import make_output
 
-H = 16
+H = 16  # make_output's hidden size
 
 
-def make_output(path, aux_layers=(1, 3, 5), final="pre_norm", rows="all", status="complete", shards=3, seed=0):
-    """A small output: `shards` shards of 2-4 samples of 3-9 tokens, random finite states, a final norm."""
-    rng = np.random.default_rng(seed)
-    norm = FinalNorm("rms", 1e-5, rng.uniform(0.5, 2, H).astype(np.float32)) if final == "pre_norm" else None
-    layout = ShardLayout(tuple(aux_layers), H, last_rows=rows, final_norm=norm)
-    store, samples, k = Store(str(path)), {}, 0
-    for _ in range(shards):
-        batch = []
-        for _ in range(int(rng.integers(2, 5))):
-            t = int(rng.integers(3, 10))
-            ids, mask = rng.integers(0, 1000, t).tolist(), [0] * (t // 2) + [1] * (t - t // 2)
-            aux, last = random_bf16(rng, t, layout.aux_width), random_bf16(rng, t, H)
-            samples[f"s{k}"] = (ids, mask, aux, last)
-            batch.append(encode_bits(f"s{k}", ids, mask, aux, last, layout))
-            k += 1
-        write_shard(store, batch, layout)
-    settings = {"final_layer": layout.final_layer, "last_hidden_state_rows": rows, "aux_layers": list(aux_layers)}
-    if norm is not None:
-        settings["final_norm"] = norm.describe()
-    manifest = base_manifest(str(path), settings, {"aux_layers": list(aux_layers), "hidden_size": H}, {})
-    write_manifest(store, manifest | {"status": status, "totals": {"samples_ok": len(samples)}})
-    return samples, norm
+def export(*args, **kwargs):
+    """One shard at a time (one test below runs them on the thread pool)."""
+    return export_in(*args, **{"workers": 1, **kwargs})
 
 
 def _load_torch(path, weights_only=True):
@@ -133,7 +111,7 @@ def test_modelopt_files_hold_its_keys(source, tmp_path):
 def test_a_killed_export_rerun_completes_with_nothing_twice(source, tmp_path):
     out, samples, _ = source
     dest = tmp_path / "sf"
-    first = export(str(out), "specforge", str(dest))
+    first = export(str(out), "specforge", str(dest), workers=2)  # shards on the thread pool
     files = sorted(dest.glob("*.ckpt"))
     for f in files[::2]:  # as if killed before these were written
         f.unlink()
