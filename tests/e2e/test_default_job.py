@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,7 +118,6 @@ def test_default_bf16_run_matches_transformers_within_bf16_noise(harvest_run, re
 
 def test_shards_are_plain_parquet_to_ray_data_and_pandas(harvest_run, ray_session):
     """id and token columns read with no project code; hidden states come as bytes a numpy reader decodes."""
-    import numpy as np
     import pyarrow as pa
     import ray.data
 
@@ -155,3 +155,50 @@ def test_manifest_records_the_turns_policy_and_what_the_template_left_out(harves
     )
     assert carrying > 0 and sum(conv["unrendered"].values()) >= carrying
     assert set(conv["unrendered"]) <= {"reasoning_content", "tool_calls", "tools"}
+
+
+def test_the_default_run_exports_to_every_trainer_and_loads_for_training(harvest_run, ray_session, model_dir, tmp_path):
+    """The real run, through `harvest export` to each trainer's layout (exit 0: every file re-read equals its
+    source), the final layer on the side of the norm each trainer reads; and the same samples through the
+    training loader and through Ray Data with the batch decoder."""
+    import ray.data
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.cli import main
+    from pipeline.format.final_norm import read_final_norm
+    from pipeline.tools.loader import BatchDecoder, HiddenStatesDataset
+
+    out, summary = harvest_run
+    n = summary.totals["samples_ok"]
+    stored = {s["sample_id"]: s for s in open_shards(str(out), as_torch=False, final="stored")}
+    norm = read_final_norm(model_dir)
+    for trainer in ("speculators", "specforge", "modelopt"):
+        assert main(["export", str(out), "--to", trainer, str(tmp_path / trainer)]) == 0
+    record = json.loads((tmp_path / "speculators" / "export.json").read_text())
+    assert len(record["sample_ids"]) == n
+    layers = read_manifest(Store(str(out)))["aux_layers"]
+    assert record["hidden_state_layer_ids (HF hidden_states indices, aux then final)"] == [i + 1 for i in layers]
+    for i, sid in enumerate(record["sample_ids"][:4]):
+        s = stored[sid]
+        hs = load_file(str(tmp_path / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
+        pre = hs[:, -1].contiguous().view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(pre, s["last_hidden_state"])  # speculators: before the norm, as stored
+        sf = torch.load(tmp_path / "specforge" / f"{i:09d}.ckpt", weights_only=False)
+        post = sf["hidden_state"][0].contiguous().view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(post, norm.apply_bits(s["last_hidden_state"]))  # SpecForge: after it
+    # Training reads: the loader and Ray Data, the same samples as open_shards.
+    want = {s["sample_id"]: s for s in open_shards(str(out))}
+    seen = {s["sample_id"]: s for s in HiddenStatesDataset(str(out), seed=3)}
+    assert seen.keys() == want.keys()
+    decode = BatchDecoder(str(out))
+    via_ray = [
+        s
+        for batch in ray.data.read_parquet(str(out / "shards")).iter_batches(batch_format="numpy", batch_size=8)
+        for s in decode(batch)
+    ]
+    assert sorted(s["sample_id"] for s in via_ray) == sorted(want)
+    for s in via_ray[:4] + list(seen.values())[:4]:
+        w = want[s["sample_id"]]
+        assert torch.equal(s["last_hidden_state"], w["last_hidden_state"])
+        assert torch.equal(s["aux_hidden_states"], w["aux_hidden_states"])
