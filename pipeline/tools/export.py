@@ -6,7 +6,7 @@ are skipped, and a killed export rerun completes with nothing written twice. Sha
 parallel; every file written is read back through the trainer's layout and compared with the source
 sample bit for bit before the export reports success.
 
-What each trainer reads (their code, shared/TRAINERS.md in the design notes):
+What each trainer reads (from their own code):
   specforge    `{i:09d}.ckpt` torch files: input_ids, loss_mask int64 [T], aux_hidden_state bf16 [1, T, 3H],
                hidden_state bf16 [1, T, H] after the final norm; exactly three aux layers.
   modelopt     `{i:09d}.pt` torch files: input_ids, loss_mask int64 [T], aux_hidden_states [T, K*H],
