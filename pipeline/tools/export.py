@@ -209,11 +209,6 @@ class _Speculators(_Layout):
             "token_ids": torch.from_numpy(s["input_ids"].astype(np.int64)),
         }
 
-    def encode(self, i, s):
-        from safetensors.torch import save
-
-        return save(self.tensors(s))
-
     def write(self, out, name, i, s):
         # safetensors writes a file itself (the bytes it would return are built holding the GIL: 0.68 GB/s
         # against ~1.1 for the torch layouts on 16 threads); staged, then renamed or uploaded whole.
@@ -269,6 +264,7 @@ class _Task:
     hidden: int
     shard: str
     start: int  # the global index of the shard's first row
+    rows: int  # from the footer export() read to number the files
     present: frozenset  # names of this shard's files already in DEST
 
 
@@ -285,7 +281,7 @@ def _read(task: _Task, columns=None):
 def _export_shard(task: _Task):
     """(written, skipped, bytes written, [(sample_id, ids, mask)] in row order)."""
     layout, out = _layout(task), Store(task.dest)
-    names = [layout.name(task.start + r) for r in range(_num_rows(task))]
+    names = [layout.name(task.start + r) for r in range(task.rows)]
     rows, written, nbytes = [], 0, 0
     if all(n in task.present for n in names):  # a rerun: the token columns are all that is needed
         t = _read(task, ["sample_id", "input_ids", "loss_mask"])
@@ -309,12 +305,6 @@ def _export_shard(task: _Task):
             continue
         written, nbytes = written + 1, nbytes + layout.write(out, name, task.start + r, s)
     return written, len(names) - written, nbytes, rows
-
-
-def _num_rows(task: _Task) -> int:
-    src = Store(task.output)
-    with src.fs.open(src.path(task.shard), "rb") as f:
-        return pq.ParquetFile(f).metadata.num_rows
 
 
 def _verify_shard(task: _Task):
@@ -386,6 +376,7 @@ def export(output: str, trainer: str, dest: str, workers: int | None = None, ver
             hidden,
             rel,
             starts[j],
+            counts[j],
             frozenset(n for i in range(starts[j], starts[j + 1]) if (n := layout.name(i)) in present),
         )
         for j, rel in enumerate(shards)

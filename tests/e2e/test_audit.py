@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cli import main
+from pipeline.format.final_norm import to_bf16_bits
 from pipeline.format.manifest import MANIFEST, read_manifest, write_manifest
 from pipeline.format.shards import (
     ShardLayout,
@@ -30,12 +31,6 @@ pytestmark = pytest.mark.slow
 
 def _report(out) -> dict:
     return json.loads((out / AUDIT_REPORT).read_text())
-
-
-def _to_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, rounding to nearest even."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def _f32(bits: np.ndarray) -> np.ndarray:
@@ -168,7 +163,7 @@ def test_audit_fails_on_a_corrupted_sample_and_names_it(copy, model_dir, capsys,
             x = _f32(s["aux_hidden_states"][:, h : 2 * h])
             rms = np.sqrt((x**2).mean(-1, keepdims=True))
             noisy = x + 0.3 * rms * np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
-            s["aux_hidden_states"][:, h : 2 * h] = _to_bits(noisy)
+            s["aux_hidden_states"][:, h : 2 * h] = to_bf16_bits(noisy)
         return True
 
     assert _rewrite(copy, edit) == {victim}
