@@ -110,7 +110,14 @@ def cmd_audit(args) -> int:
 
 
 def cmd_export(args) -> int:
-    report = export(args.output, args.to, args.dest, workers=args.workers)
+    report = export(
+        args.output,
+        args.to,
+        args.dest,
+        workers=args.workers,
+        draft_vocab=args.draft_vocab,
+        target_vocab=args.target_vocab,
+    )
     print(report.text())
     return 0 if report.ok else 1
 
@@ -166,7 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("output")
     p.add_argument("--to", required=True, choices=("specforge", "speculators", "modelopt"))
     p.add_argument("dest", help="where the trainer's files go (local dir or s3://); a rerun completes it")
-    p.add_argument("--workers", type=int, default=None, help="shards exported at once (default: up to 8)")
+    p.add_argument("--workers", type=int, default=None, help="shards exported at once (default: the cores, up to 16)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also write the trainer's draft vocabulary (d2t/t2d): the N most frequent trained tokens",
+    )
+    p.add_argument(
+        "--target-vocab",
+        type=int,
+        default=None,
+        metavar="V",
+        help="the target's vocabulary size, where the output's manifest does not say it (older outputs)",
+    )
     p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
     _setup_logging()

@@ -34,6 +34,7 @@ from pipeline.format.errors import (
 from pipeline.format.manifest import base_manifest, check_settings, committed_totals, read_manifest, write_manifest
 from pipeline.format.shards import SHARD_DIR, list_shards, shard_sample_ids
 from pipeline.format.storage import Store
+from pipeline.intake.model import vocab_size
 from pipeline.intake.read import read_jsonl
 from pipeline.intake.stage import TokenizeLines
 from pipeline.intake.tokenize import TOKENIZED_SCHEMA
@@ -365,7 +366,7 @@ def _extract(
 def provenance(cfg: HarvestConfig, plan: Plan) -> dict:
     kwargs = extractor_kwargs(cfg, plan)["engine_kwargs"]
     return {
-        "model": {"path": str(plan.model_dir), "name": plan.model_dir.name},
+        "model": {"path": str(plan.model_dir), "name": plan.model_dir.name, "vocab_size": vocab_size(plan.model_dir)},
         "engine": engine_class(cfg.engine.name).provenance(kwargs, plan.cuda),
         "software": {p: _version(p) for p in ("hidden-harvest", "ray", "pyarrow", "torch", "transformers")},
         "aux_layers": list(plan.layout.aux_layers),

@@ -109,6 +109,13 @@ def hidden_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["hidden_size"])
 
 
+def vocab_size(model_dir: Path) -> int | None:
+    """Rows of the model's lm_head (a multimodal config keeps it in text_config); None where it is not said."""
+    config = json.loads((model_dir / "config.json").read_text())
+    value = (config.get("text_config") or config).get("vocab_size", config.get("vocab_size"))
+    return int(value) if value is not None else None
+
+
 if __name__ == "__main__":
     # `python -m pipeline.intake.model`: prepare the default model once (make install runs this).
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -12,11 +12,15 @@ What each trainer reads (from their own code):
   modelopt     `{i:09d}.pt` torch files: input_ids, loss_mask int64 [T], aux_hidden_states [T, K*H],
                hidden_states [T, H] after the norm (hidden_states_prenorm False), conversation_id.
   speculators  `hidden_states/hs_{i}.safetensors`: hidden_states bf16 [T, K+1, H] (the aux layers, then
-               the final layer *before* the norm), token_ids int64 [T]; plus `token_freq.pt` and
-               `rows.jsonl` (input_ids, loss_mask, seq_len per row i: the columns of its Arrow dataset).
+               the final layer *before* the norm), token_ids int64 [T]; in DEST itself an HF `datasets`
+               save_to_disk folder (input_ids, loss_mask, seq_len of row i) and `token_freq.pt`.
 Layer ids: our aux layer i is HF hidden_states[i+1]; SpecForge and Model-Optimizer name the same layers by
 output id (= ours), speculators by HF index (ours + 1, the final layer as N). `export.json` in DEST says
 which ids the trainer's draft config must name.
+
+`draft_vocab=N` also writes the draft vocabulary (pipeline/tools/draft_vocab.py) where each trainer looks for
+it: speculators `d2t-N.npy` and `t2d-N.npy` (its CLI's default names for `--draft-vocab-size N`), SpecForge
+`vocab_mapping-N.pt` ({d2t, t2d}, for `model.vocab_mapping_path`), Model-Optimizer `d2t-N.pt`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import io
 import json
 import logging
 import os
+import posixpath
+import shlex
+import shutil
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +44,14 @@ import pyarrow.parquet as pq
 from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import decode_row, list_shards, read_layout, stored_final_layer
 from pipeline.format.storage import Store
+from pipeline.tools.draft_vocab import DraftVocabError, check_vocab, select_vocab, target_vocab_size
 
 logger = logging.getLogger(__name__)
 
 TRAINERS = ("specforge", "speculators", "modelopt")
 EXPORT_RECORD = "export.json"
+SPECFORGE_CONFIG = "specforge.yaml"  # a SpecForge run config naming this export; the user adds training settings
+ROWS_STAGING = ".rows-staging-"  # a datasets folder being built; a killed export leaves one, a rerun removes it
 
 
 class ExportError(ValueError):
@@ -58,6 +69,7 @@ class ExportReport:
     verified: int = 0
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    next_step: str = ""  # how to train on it, with this export's paths and layer ids
 
     @property
     def ok(self) -> bool:
@@ -70,7 +82,8 @@ class ExportReport:
             f"({self.bytes_written:,} bytes, {rate:.2f} GB/s), {self.skipped} already there, {self.verified} verified"
         )
         if self.ok:
-            return head + "\nPASS: every sample re-read through the trainer's layout equals the source"
+            tail = f"\nnext: {self.next_step}" if self.next_step else ""
+            return head + "\nPASS: every sample re-read through the trainer's layout equals the source" + tail
         return head + "\nFAIL: " + "; ".join(self.problems[:5])
 
 
@@ -91,6 +104,12 @@ def _torch_bytes(obj) -> bytes:
 
     buf = io.BytesIO()
     torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
     return buf.getvalue()
 
 
@@ -129,6 +148,17 @@ class _Layout:
     def layer_ids(self) -> dict:
         raise NotImplementedError
 
+    def vocab_files(self, d2t: np.ndarray, t2d: np.ndarray) -> dict[str, bytes]:
+        """The draft vocabulary in this trainer's files: {name: bytes}."""
+        raise NotImplementedError
+
+    def training(self, dest: str, model_path: str, draft_vocab: int | None) -> tuple[dict, dict[str, bytes], str]:
+        """(what export.json records, files to write, the next step in words) for training on this export."""
+        raise NotImplementedError
+
+    def read_vocab(self, out: Store, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        raise NotImplementedError
+
 
 class _SpecForge(_Layout):
     def __init__(self, aux_layers, hidden):
@@ -165,6 +195,33 @@ class _SpecForge(_Layout):
     def layer_ids(self):
         return {"aux_layer_ids (0-based decoder outputs, eagle_aux_hidden_state_layer_ids)": list(self.aux_layers)}
 
+    def training(self, dest, model_path, draft_vocab):
+        import yaml
+
+        model = {"target_model_path": model_path, "aux_hidden_state_layer_ids": list(self.aux_layers)}
+        if draft_vocab:
+            model["vocab_mapping_path"] = posixpath.join(dest, f"vocab_mapping-{draft_vocab}.pt")
+        config = {"model": model, "data": {"hidden_states_path": dest}, "training": {"strategy": "eagle3"}}
+        step = f"specforge train --config {posixpath.join(dest, SPECFORGE_CONFIG)} (add your training settings to it)"
+        return (
+            {"specforge_config": SPECFORGE_CONFIG},
+            {SPECFORGE_CONFIG: yaml.safe_dump(config, sort_keys=False).encode()},
+            step,
+        )
+
+    def vocab_files(self, d2t, t2d):
+        import torch
+
+        return {
+            f"vocab_mapping-{d2t.size}.pt": _torch_bytes({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)})
+        }
+
+    def read_vocab(self, out, n):
+        import torch
+
+        d = torch.load(io.BytesIO(out.read_bytes(f"vocab_mapping-{n}.pt")), weights_only=True)
+        return d["d2t"].numpy(), d["t2d"].numpy()
+
 
 class _ModelOpt(_Layout):
     def name(self, i):
@@ -190,6 +247,24 @@ class _ModelOpt(_Layout):
 
     def layer_ids(self):
         return {"aux_layer_ids (0-based decoder outputs)": list(self.aux_layers)}
+
+    def training(self, dest, model_path, draft_vocab):
+        vocab = f"; the draft vocabulary: {posixpath.join(dest, f'd2t-{draft_vocab}.pt')}" if draft_vocab else ""
+        return (
+            {},
+            {},
+            f"Model-Optimizer's offline EAGLE-3 data directory: {dest} (post-norm, hidden_states_prenorm False){vocab}",
+        )
+
+    def vocab_files(self, d2t, t2d):
+        import torch
+
+        return {f"d2t-{d2t.size}.pt": _torch_bytes(torch.from_numpy(d2t))}  # its draft keeps d2t only
+
+    def read_vocab(self, out, n):
+        import torch
+
+        return torch.load(io.BytesIO(out.read_bytes(f"d2t-{n}.pt")), weights_only=True).numpy(), None
 
 
 class _Speculators(_Layout):
@@ -229,7 +304,33 @@ class _Speculators(_Layout):
         return d["token_ids"].numpy(), None, _bits(hs[:, :-1].reshape(t, -1)), _bits(hs[:, -1])
 
     def layer_ids(self):
-        return {"hidden_state_layer_ids (HF hidden_states indices, aux then final)": [i + 1 for i in self.aux_layers]}
+        return {"target_layer_ids (HF hidden_states indices of the aux layers)": [i + 1 for i in self.aux_layers]}
+
+    def training(self, dest, model_path, draft_vocab):
+        args = [
+            "--speculator-type",
+            "eagle3",
+            "--verifier-name-or-path",
+            model_path,
+            "--data-path",
+            dest,
+            "--target-layer-ids",
+            *[str(i + 1) for i in self.aux_layers],
+            "--on-missing",
+            "raise",  # every row has its file; never ask a vLLM server for one
+            *(["--draft-vocab-size", str(draft_vocab)] if draft_vocab else []),
+        ]
+        return (
+            {"speculators_train_args": args},
+            {},
+            "torchrun --nproc-per-node GPUS -m speculators.train " + shlex.join(args),
+        )
+
+    def vocab_files(self, d2t, t2d):
+        return {f"d2t-{d2t.size}.npy": _npy_bytes(d2t), f"t2d-{d2t.size}.npy": _npy_bytes(t2d)}
+
+    def read_vocab(self, out, n):
+        return tuple(np.load(io.BytesIO(out.read_bytes(f"{k}-{n}.npy"))) for k in ("d2t", "t2d"))
 
 
 _LAYOUTS = {"specforge": _SpecForge, "modelopt": _ModelOpt, "speculators": _Speculators}
@@ -345,14 +446,30 @@ def _map(fn, tasks: list[_Task], workers: int):
         yield from pool.map(fn, tasks)
 
 
-def export(output: str, trainer: str, dest: str, workers: int | None = None, verify: bool = True) -> ExportReport:
-    """Export `output` for `trainer` into `dest`; `workers` shards at once (default: the cores, at most 16)."""
+def export(
+    output: str,
+    trainer: str,
+    dest: str,
+    workers: int | None = None,
+    verify: bool = True,
+    draft_vocab: int | None = None,
+    target_vocab: int | None = None,
+) -> ExportReport:
+    """Export `output` for `trainer` into `dest`; `workers` shards at once (default: the cores, at most 16).
+    `draft_vocab=N` also writes the N-token draft vocabulary (`target_vocab`: the target's, when the manifest
+    does not say it)."""
     if trainer not in TRAINERS:
         raise ExportError(f"--to {trainer}: one of {', '.join(TRAINERS)}")
     t0 = time.monotonic()
     workers = max(1, workers or min(16, os.cpu_count() or 1))
     src, out = Store(output), Store(dest)
     manifest, aux_layers, hidden = _check_source(src, trainer)
+    vocab_size = None
+    if draft_vocab is not None:
+        try:
+            vocab_size = target_vocab_size(manifest, target_vocab)
+        except DraftVocabError as e:
+            raise ExportError(str(e)) from None
     layout = _LAYOUTS[trainer](aux_layers, hidden)
     shards = list_shards(src)
     counts = []
@@ -382,23 +499,37 @@ def export(output: str, trainer: str, dest: str, workers: int | None = None, ver
         for j, rel in enumerate(shards)
     ]
     rows: list = []
-    tokens: Counter = Counter()
     for written, skipped, nbytes, shard_rows in _map(_export_shard, tasks, workers):
         report.written += written
         report.skipped += skipped
         report.bytes_written += nbytes
         rows.extend(shard_rows)  # in shard order: the global index
-    for _, ids, mask in rows:
-        tokens.update(ids[mask.astype(bool)].tolist())
-    _write_side_files(out, trainer, layout, rows, tokens, manifest)
+    tokens = masked_token_counts(rows)
+    vocab = None
+    if draft_vocab is not None:
+        try:
+            vocab = select_vocab(tokens, draft_vocab, vocab_size)
+        except DraftVocabError as e:
+            raise ExportError(str(e)) from None
+    report.next_step = _write_side_files(out, trainer, layout, rows, tokens, manifest, vocab)
     if verify:
         for ok, problems in _map(_verify_shard, tasks, workers):
             report.verified += ok
             report.problems.extend(problems)
+        report.problems.extend(_verify_side_files(out, trainer, layout, rows, tokens, vocab))
     else:
         report.verified = report.samples
     report.seconds = time.monotonic() - t0
     return report
+
+
+def masked_token_counts(rows) -> Counter:
+    """{token id: count} over trained (loss-masked) positions: what speculators' token_freq.pt holds."""
+    tokens: Counter = Counter()
+    for _, ids, mask in rows:
+        values, counts = np.unique(ids[mask.astype(bool)], return_counts=True)
+        tokens.update(dict(zip(values.tolist(), counts.tolist())))
+    return tokens
 
 
 def _manifest_sha(manifest: dict) -> str:
@@ -408,14 +539,19 @@ def _manifest_sha(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _write_side_files(out: Store, trainer: str, layout: _Layout, rows, tokens: Counter, manifest: dict) -> None:
+def _write_side_files(out: Store, trainer: str, layout: _Layout, rows, tokens: Counter, manifest: dict, vocab) -> str:
+    """Everything beside the per-sample files; returns the next step in words."""
+    n_vocab = int(vocab[0].size) if vocab is not None else None
+    model_path = (manifest.get("model") or {}).get("path") or "TARGET_MODEL"
+    train_record, train_files, next_step = layout.training(out.display(), model_path, n_vocab)
+    for name, data in train_files.items():
+        out.write_bytes(name, data)
     if trainer == "speculators":
-        lines = [
-            json.dumps({"input_ids": ids.tolist(), "loss_mask": mask.astype(int).tolist(), "seq_len": int(ids.size)})
-            for _, ids, mask in rows
-        ]
-        out.write_bytes("rows.jsonl", ("\n".join(lines) + "\n").encode() if lines else b"")
+        _write_rows_dataset(out, rows)
         out.write_bytes("token_freq.pt", _torch_bytes(dict(sorted(tokens.items()))))
+    if vocab is not None:
+        for name, data in layout.vocab_files(*vocab).items():
+            out.write_bytes(name, data)
     record = {
         "trainer": trainer,
         "source": manifest.get("output"),
@@ -425,6 +561,101 @@ def _write_side_files(out: Store, trainer: str, layout: _Layout, rows, tokens: C
         "aux_layers (ours: decoder layer outputs = HF hidden_states[i+1])": list(layout.aux_layers),
         **layout.layer_ids(),
         "files": layout.name(-1).replace("-1", "{i}").replace("-00000001", "{i:09d}"),
+        **({"draft_vocab": n_vocab, "target_vocab": int(vocab[1].size)} if vocab is not None else {}),
+        **train_record,
         "sample_ids": [sid for sid, _, _ in rows],
     }
     out.write_bytes(EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
+    return next_step
+
+
+def _rows_table(rows):
+    """input_ids, loss_mask (int64 lists) and seq_len per row: the columns speculators' ArrowDataset reads."""
+    import pyarrow as pa
+
+    lengths = np.array([ids.size for _, ids, _ in rows], dtype=np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    flat = [np.concatenate([r[k] for r in rows]).astype(np.int64) if rows else np.zeros(0, np.int64) for k in (1, 2)]
+    return pa.table(
+        {
+            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat[0])),
+            "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(flat[1])),
+            "seq_len": pa.array(lengths),
+        }
+    )
+
+
+def _write_rows_dataset(out: Store, rows) -> None:
+    """An HF `datasets` save_to_disk folder in DEST itself (torch format, as speculators' own preprocessing saves
+    it), built beside DEST and then committed file by file; the files are the same on every rerun."""
+    import datasets
+
+    parent = out.path("") if out.local else None
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+        for stale in [n for n in os.listdir(parent) if n.startswith(ROWS_STAGING)]:
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    staging = tempfile.mkdtemp(prefix=ROWS_STAGING, dir=parent)
+    try:
+        ds = datasets.Dataset(_rows_table(rows))
+        ds.set_format("torch")
+        ds.save_to_disk(staging)
+        for name in sorted(os.listdir(staging)):
+            out.commit_staged(os.path.join(staging, name), name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_rows_dataset(out: Store):
+    """The rows folder as speculators opens it (`datasets.load_from_disk`), from a local copy when DEST is remote."""
+    import datasets
+
+    if out.local:
+        return datasets.load_from_disk(out.path(""), keep_in_memory=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("state.json", "dataset_info.json", *[n for n in out.list("", ".arrow")]):
+            with open(os.path.join(tmp, os.path.basename(name)), "wb") as f:
+                f.write(out.read_bytes(name))
+        return datasets.load_from_disk(tmp, keep_in_memory=True)
+
+
+def _verify_side_files(out: Store, trainer: str, layout: _Layout, rows, tokens: Counter, vocab) -> list[str]:
+    """Problems with the per-export files, read back the way the trainer reads them."""
+    problems = _verify_rows(out, rows, tokens) if trainer == "speculators" else []
+    return problems + (_verify_vocab(out, layout, *vocab) if vocab is not None else [])
+
+
+def _verify_rows(out: Store, rows, tokens: Counter) -> list[str]:
+    import torch
+
+    try:
+        ds = _read_rows_dataset(out)
+    except Exception as e:  # noqa: BLE001 -- an unreadable folder is a finding
+        return [f"the rows folder cannot be opened with datasets.load_from_disk ({type(e).__name__}: {e})"]
+    problems = []
+    if len(ds) != len(rows):
+        problems.append(f"the rows folder has {len(ds)} rows for {len(rows)} samples")
+    else:
+        for i, (sid, ids, mask) in enumerate(rows):
+            row = ds[i]
+            if not (
+                torch.equal(row["input_ids"], torch.from_numpy(ids.astype(np.int64)))
+                and torch.equal(row["loss_mask"], torch.from_numpy(mask.astype(np.int64)))
+                and int(row["seq_len"]) == ids.size
+            ):
+                problems.append(f"rows folder row {i} differs from source sample {sid}")
+    freq = torch.load(io.BytesIO(out.read_bytes("token_freq.pt")), weights_only=True)
+    if freq != dict(tokens):
+        problems.append("token_freq.pt differs from the loss-masked token counts of the source")
+    return problems
+
+
+def _verify_vocab(out: Store, layout: _Layout, d2t: np.ndarray, t2d: np.ndarray) -> list[str]:
+    try:
+        got_d2t, got_t2d = layout.read_vocab(out, d2t.size)
+    except Exception as e:  # noqa: BLE001
+        return [f"the draft vocabulary cannot be read back ({type(e).__name__}: {e})"]
+    problems = check_vocab(got_d2t, t2d if got_t2d is None else got_t2d, d2t.size, t2d.size)
+    if not np.array_equal(got_d2t, d2t) or (got_t2d is not None and not np.array_equal(got_t2d, t2d)):
+        problems.append("the draft vocabulary read back differs from the one selected")
+    return problems

@@ -178,7 +178,7 @@ def test_the_default_run_exports_to_every_trainer_and_loads_for_training(harvest
     record = json.loads((tmp_path / "speculators" / "export.json").read_text())
     assert len(record["sample_ids"]) == n
     layers = read_manifest(Store(str(out)))["aux_layers"]
-    assert record["hidden_state_layer_ids (HF hidden_states indices, aux then final)"] == [i + 1 for i in layers]
+    assert record["target_layer_ids (HF hidden_states indices of the aux layers)"] == [i + 1 for i in layers]
     for i, sid in enumerate(record["sample_ids"][:4]):
         s = stored[sid]
         hs = load_file(str(tmp_path / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]

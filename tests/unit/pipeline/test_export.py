@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.tools.export import ExportError
+from pipeline.format.storage import Store
+from pipeline.tools.export import _LAYOUTS, ExportError, _verify_vocab
 from pipeline.tools.export import export as export_in
 from tests_support import make_output
 
@@ -62,6 +63,7 @@ def test_specforge_files_hold_its_keys_post_norm_and_three_aux_layers(source, tm
 
 
 def test_speculators_files_stack_aux_then_the_pre_norm_final_layer(source, tmp_path):
+    import datasets
     import torch
     from safetensors.torch import load_file
 
@@ -70,16 +72,19 @@ def test_speculators_files_stack_aux_then_the_pre_norm_final_layer(source, tmp_p
     assert report.ok, report.text()
     record = json.loads((tmp_path / "sp" / "export.json").read_text())
     assert record["final_layer"] == "pre_norm"
-    assert record["hidden_state_layer_ids (HF hidden_states indices, aux then final)"] == [2, 4, 6]
-    rows = [json.loads(line) for line in (tmp_path / "sp" / "rows.jsonl").read_text().splitlines()]
+    assert record["target_layer_ids (HF hidden_states indices of the aux layers)"] == [2, 4, 6]
+    rows = datasets.load_from_disk(str(tmp_path / "sp"))  # as speculators' ArrowDataset opens it
+    assert rows.format["type"] == "torch" and len(rows) == len(samples)
     assert _load_torch(tmp_path / "sp" / "token_freq.pt") == _masked_token_counts(samples)
     for i, sid in enumerate(record["sample_ids"]):
         ids, mask, aux, last = samples[sid]
         d = load_file(str(tmp_path / "sp" / "hidden_states" / f"hs_{i}.safetensors"))
         t = len(ids)
         assert d["hidden_states"].dtype == torch.bfloat16 and d["hidden_states"].shape == (t, 4, H)
-        assert d["token_ids"].tolist() == ids == rows[i]["input_ids"] and rows[i]["seq_len"] == t
-        assert rows[i]["loss_mask"] == mask
+        row = rows[i]
+        assert row["input_ids"].dtype == row["loss_mask"].dtype == torch.int64
+        assert torch.equal(d["token_ids"], row["input_ids"])  # else speculators drops the row
+        assert d["token_ids"].tolist() == ids and int(row["seq_len"]) == t and row["loss_mask"].tolist() == mask
         np.testing.assert_array_equal(_bits(d["hidden_states"][:, :-1].reshape(t, -1)), aux)
         np.testing.assert_array_equal(_bits(d["hidden_states"][:, -1]), last)  # before the norm, as stored
 
@@ -118,7 +123,7 @@ def test_a_killed_export_rerun_completes_with_nothing_twice(source, tmp_path):
     (dest / ".tmp-deadbeef-000000001.ckpt").write_bytes(b"partial")  # and mid-write of one
     again = export(str(out), "specforge", str(dest))
     assert again.ok and again.written == len(files[::2]) and again.skipped == first.samples - again.written
-    assert sorted(p.name for p in dest.iterdir()) == sorted([f.name for f in files] + ["export.json"])
+    assert sorted(p.name for p in dest.iterdir()) == sorted([f.name for f in files] + ["export.json", "specforge.yaml"])
 
 
 def test_verify_catches_a_damaged_file(source, tmp_path):
@@ -157,3 +162,54 @@ def test_exports_a_trainer_cannot_use_are_refused(tmp_path):
     make_output(tmp_path / "third", seed=10, shards=2)
     with pytest.raises(ExportError, match="another output"):
         export(str(tmp_path / "third"), "modelopt", str(tmp_path / "mo"))
+
+
+def test_draft_vocab_is_speculators_own_selection_in_each_trainers_files(source, tmp_path):
+    """--draft-vocab N: the mapping equals the one speculators' own code builds from the same token counts,
+    written under the names each trainer looks for, and read back by the verify step."""
+    import torch
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    out, samples, _ = source
+    n, v = 12, 1000  # fewer than the distinct trained tokens: a real selection among ties
+    freq = _masked_token_counts(samples)
+    assert len(freq) > n
+    want_d2t, want_t2d = build_vocab_mappings_from_distribution(freq, n, v)
+    assert export(str(out), "speculators", str(tmp_path / "sp"), draft_vocab=n, target_vocab=v).ok
+    np.testing.assert_array_equal(np.load(tmp_path / "sp" / f"d2t-{n}.npy"), want_d2t.numpy())
+    np.testing.assert_array_equal(np.load(tmp_path / "sp" / f"t2d-{n}.npy"), want_t2d.numpy())
+    assert export(str(out), "specforge", str(tmp_path / "sf"), draft_vocab=n, target_vocab=v).ok
+    mapping = _load_torch(tmp_path / "sf" / f"vocab_mapping-{n}.pt")
+    assert torch.equal(mapping["d2t"], want_d2t) and torch.equal(mapping["t2d"], want_t2d)
+    report = export(str(out), "modelopt", str(tmp_path / "mo"), draft_vocab=n, target_vocab=v)
+    assert report.ok and torch.equal(_load_torch(tmp_path / "mo" / f"d2t-{n}.pt"), want_d2t)
+    assert json.loads((tmp_path / "mo" / "export.json").read_text())["draft_vocab"] == n
+    # The verify step reads the mapping back: a damaged one fails the export.
+    np.save(tmp_path / "sp" / f"t2d-{n}.npy", np.roll(want_t2d.numpy(), 1))
+    layout = _LAYOUTS["speculators"]((1, 3, 5), H)
+    problems = _verify_vocab(Store(str(tmp_path / "sp")), layout, want_d2t.numpy(), want_t2d.numpy())
+    assert problems == [
+        "d2t and t2d name different tokens",
+        "the draft vocabulary read back differs from the one selected",
+    ]
+
+
+def test_draft_vocab_refusals(source, tmp_path):
+    out, samples, _ = source
+    with pytest.raises(ExportError, match="--target-vocab"):  # this manifest names no model to read it from
+        export(str(out), "speculators", str(tmp_path / "a"), draft_vocab=8)
+    with pytest.raises(ExportError, match="larger than the target's vocabulary"):
+        export(str(out), "speculators", str(tmp_path / "b"), draft_vocab=2000, target_vocab=1000)
+    with pytest.raises(ExportError, match="outside the target's vocabulary"):
+        export(str(out), "speculators", str(tmp_path / "c"), draft_vocab=8, target_vocab=10)
+
+
+def test_draft_vocab_selection_ties_fill_and_order():
+    from pipeline.tools.draft_vocab import check_vocab, select_vocab
+
+    d2t, t2d = select_vocab({7: 5, 3: 5, 9: 1, 4: 9}, 3, 12)  # 4 first, then the tie 3 and 7 by id
+    assert (d2t + np.arange(3)).tolist() == [3, 4, 7] and np.flatnonzero(t2d).tolist() == [3, 4, 7]
+    d2t, t2d = select_vocab({9: 2}, 4, 12)  # too few trained tokens: the lowest unused ids fill
+    assert (d2t + np.arange(4)).tolist() == [0, 1, 2, 9] and t2d.sum() == 4
+    assert check_vocab(d2t, t2d, 4, 12) == []
+    assert check_vocab(d2t, np.roll(t2d, 1), 4, 12) == ["d2t and t2d name different tokens"]
