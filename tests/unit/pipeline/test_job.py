@@ -14,6 +14,46 @@ def test_default_aux_layers():
     assert default_aux_layers(36) == (1, 17, 32)
 
 
+# The families users train EAGLE-3 drafts for, by SGLang model module and class.
+SGLANG_EAGLE3_CLASSES = [
+    ("llama", "LlamaForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    ("deepseek_v2", "DeepseekV2ForCausalLM"),  # DeepSeek-V3 and Kimi-K2 run on this class
+    ("gpt_oss", "GptOssForCausalLM"),
+    ("gemma3_causal", "Gemma3ForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("module,cls_name", SGLANG_EAGLE3_CLASSES)
+@pytest.mark.parametrize("layers", [8, 30, 36, 61])
+def test_default_aux_layers_are_sglangs_own_eagle3_default(module, cls_name, layers):
+    """Our default ids, given to SGLang, capture what SGLang's EAGLE-3 serving captures when no ids are given:
+    its own code decides (`set_eagle3_layers_to_capture`, which shifts given ids by one), run on a stand-in
+    for the model object it configures."""
+    import importlib
+    import types
+
+    cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls_name)
+
+    class Inner:  # some classes set the list on their inner model, others ask it to
+        def set_eagle3_layers_to_capture(self, ids):
+            self.layers_to_capture = list(ids)
+
+    def captured(layer_ids):
+        model = types.SimpleNamespace(
+            pp_group=types.SimpleNamespace(is_last_rank=True),
+            config=types.SimpleNamespace(num_hidden_layers=layers),
+            model=Inner(),
+        )
+        cls.set_eagle3_layers_to_capture(model, layer_ids)
+        assert model.capture_aux_hidden_states
+        return list(model.model.layers_to_capture)
+
+    assert captured(list(default_aux_layers(layers))) == captured(None)
+
+
 def table(rows):
     return pa.table({"sample_id": [r[0] for r in rows], "source": [r[1] for r in rows]})
 
