@@ -46,3 +46,17 @@ def test_job_reads_and_writes_s3_then_resumes_there(ray_session, s3_endpoint, e2
     again = run(make_config("s3://hh-bucket/in/*.jsonl", out))
     assert again.this_run.done == 0
     assert again.totals == t
+
+    # Exports read from and write to object storage too, and a rerun there writes nothing twice.
+    from pipeline.tools.export import export
+
+    dest = "s3://hh-bucket/exports/speculators"
+    first = export(out, "speculators", dest, draft_vocab=64)
+    assert first.ok and first.written == t["samples_ok"], first.text()
+    assert fs.exists("hh-bucket/exports/speculators/state.json")  # the rows folder speculators loads
+    assert fs.exists("hh-bucket/exports/speculators/d2t-64.npy") and fs.exists(
+        "hh-bucket/exports/speculators/t2d-64.npy"
+    )
+    again = export(out, "speculators", dest)
+    assert again.ok and again.written == 0 and again.skipped == t["samples_ok"]
+    assert export(out, "specforge", "s3://hh-bucket/exports/specforge").ok
