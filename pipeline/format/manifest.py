@@ -84,12 +84,23 @@ def committed_totals(store: Store) -> dict:
     }
 
 
+def trainer_layer_ids(aux_layers) -> dict:
+    """Our aux ids in each draft trainer's naming (what its draft config must name; harvest export writes them)."""
+    aux = [int(i) for i in aux_layers]
+    return {
+        "specforge (model.aux_hidden_state_layer_ids: 0-based layer outputs)": aux,
+        "speculators (--target-layer-ids: HF hidden_states indices)": [i + 1 for i in aux],
+        "modelopt (0-based layer outputs)": aux,
+    }
+
+
 def base_manifest(output: str, settings: dict, provenance: dict, config: dict) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "output": output,
         "data_settings": settings,
         "aux_layer_convention": AUX_CONVENTION,
+        **({"trainer_layer_ids": trainer_layer_ids(settings["aux_layers"])} if "aux_layers" in settings else {}),
         "last_hidden_state": LAST_CONVENTION[settings.get("final_layer", "post_norm")],
         "dtype": "bfloat16",
         **provenance,

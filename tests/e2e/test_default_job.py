@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import open_shards
@@ -177,8 +178,15 @@ def test_the_default_run_exports_to_every_trainer_and_loads_for_training(harvest
         assert main(["export", str(out), "--to", trainer, str(tmp_path / trainer)]) == 0
     record = json.loads((tmp_path / "speculators" / "export.json").read_text())
     assert len(record["sample_ids"]) == n
-    layers = read_manifest(Store(str(out)))["aux_layers"]
+    manifest = read_manifest(Store(str(out)))
+    layers = manifest["aux_layers"]
     assert record["target_layer_ids (HF hidden_states indices of the aux layers)"] == [i + 1 for i in layers]
+    # The manifest names the same ids for each trainer as the exports write.
+    named = manifest["trainer_layer_ids"]
+    assert named["speculators (--target-layer-ids: HF hidden_states indices)"] == [i + 1 for i in layers]
+    assert named["specforge (model.aux_hidden_state_layer_ids: 0-based layer outputs)"] == layers
+    sf_config = yaml.safe_load((tmp_path / "specforge" / "specforge.yaml").read_text())
+    assert sf_config["model"]["aux_hidden_state_layer_ids"] == layers
     for i, sid in enumerate(record["sample_ids"][:4]):
         s = stored[sid]
         hs = load_file(str(tmp_path / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
