@@ -20,7 +20,7 @@ which ids the trainer's draft config must name.
 
 `draft_vocab=N` also writes the draft vocabulary (pipeline/tools/draft_vocab.py) where each trainer looks for
 it: speculators `d2t-N.npy` and `t2d-N.npy` (its CLI's default names for `--draft-vocab-size N`), SpecForge
-`vocab_mapping-N.pt` ({d2t, t2d}, for `model.vocab_mapping_path`), Model-Optimizer `d2t-N.pt`.
+`vocab_mapping-N.pt` ({d2t, t2d}, for `model.vocab_mapping_path`), Model-Optimizer `d2t-N.pth`.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class _ModelOpt(_Layout):
         return {"aux_layer_ids (0-based decoder outputs)": list(self.aux_layers)}
 
     def training(self, dest, model_path, draft_vocab):
-        vocab = f"; the draft vocabulary: {posixpath.join(dest, f'd2t-{draft_vocab}.pt')}" if draft_vocab else ""
+        vocab = f"; the draft vocabulary: {posixpath.join(dest, f'd2t-{draft_vocab}.pth')}" if draft_vocab else ""
         return (
             {},
             {},
@@ -259,12 +259,13 @@ class _ModelOpt(_Layout):
     def vocab_files(self, d2t, t2d):
         import torch
 
-        return {f"d2t-{d2t.size}.pt": _torch_bytes(torch.from_numpy(d2t))}  # its draft keeps d2t only
+        # Its draft keeps d2t only. Not `.pt`: its dataset reads every `*.pt` under the folder as a conversation.
+        return {f"d2t-{d2t.size}.pth": _torch_bytes(torch.from_numpy(d2t))}
 
     def read_vocab(self, out, n):
         import torch
 
-        return torch.load(io.BytesIO(out.read_bytes(f"d2t-{n}.pt")), weights_only=True).numpy(), None
+        return torch.load(io.BytesIO(out.read_bytes(f"d2t-{n}.pth")), weights_only=True).numpy(), None
 
 
 class _Speculators(_Layout):

@@ -182,8 +182,15 @@ def test_draft_vocab_is_speculators_own_selection_in_each_trainers_files(source,
     mapping = _load_torch(tmp_path / "sf" / f"vocab_mapping-{n}.pt")
     assert torch.equal(mapping["d2t"], want_d2t) and torch.equal(mapping["t2d"], want_t2d)
     report = export(str(out), "modelopt", str(tmp_path / "mo"), draft_vocab=n, target_vocab=v)
-    assert report.ok and torch.equal(_load_torch(tmp_path / "mo" / f"d2t-{n}.pt"), want_d2t)
+    assert report.ok and torch.equal(_load_torch(tmp_path / "mo" / f"d2t-{n}.pth"), want_d2t)
     assert json.loads((tmp_path / "mo" / "export.json").read_text())["draft_vocab"] == n
+    # Each trainer's own file walk finds the samples and nothing else beside them.
+    assert sorted(p.name for p in (tmp_path / "mo").rglob("*.pt")) == [f"{i:09d}.pt" for i in range(len(samples))]
+    sf = sorted(p.name for p in (tmp_path / "sf").rglob("*") if p.name.endswith((".ckpt", ".ckpt.gz")))
+    assert sf == [f"{i:09d}.ckpt" for i in range(len(samples))]
+    assert sorted(p.name for p in (tmp_path / "sp" / "hidden_states").iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(len(samples))
+    )
     # The verify step reads the mapping back: a damaged one fails the export.
     np.save(tmp_path / "sp" / f"t2d-{n}.npy", np.roll(want_t2d.numpy(), 1))
     layout = _LAYOUTS["speculators"]((1, 3, 5), H)
