@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import errno
+import re
 
 from pipeline.format.storage import redact
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FRAME = re.compile(r'^\s*File "[^"]*", line \d+', re.M)  # a frame of a Python traceback
+# The last line of a Python traceback: `pkg.module.SomeError: message` (or the bare name).
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure))(?::\s*(.*))?$")
+
+
+def _is_marker(e: BaseException) -> bool:
+    """Ray Data re-raises an error `from SystemException()`: an empty marker that says nothing of the cause."""
+    return type(e).__name__ == "SystemException" and type(e).__module__.startswith("ray.") and not str(e).strip()
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -14,20 +25,32 @@ def root_cause(e: BaseException) -> BaseException:
         seen.add(id(e))
         cause = getattr(e, "cause", None)
         nxt = cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
-        if nxt is None:
+        if nxt is None or _is_marker(nxt):
             break
         e = nxt
     return e
+
+
+def describe(cause: BaseException) -> str:
+    """`Type: message` of the error that started it. An error whose text carries a remote traceback (an actor
+    that died in its constructor: Ray keeps only the text) is named by that traceback's last line."""
+    text = _ANSI.sub("", str(cause)).strip()
+    if _FRAME.search(text):  # Ray drops the "Traceback (most recent call last):" line but keeps the frames
+        for line in reversed(text.splitlines()):
+            m = _EXCEPTION_LINE.match(line.strip())
+            if m:
+                return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2) or ''}".rstrip(": ")
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def failure_message(e: BaseException) -> str:
     cause = root_cause(e)
     if isinstance(cause, OSError) and cause.errno is not None:
         # Not str(): an OSError that crossed from a Ray worker carries Ray's retry message as its filename.
-        text = f"[Errno {cause.errno}] {cause.strerror}"
+        what = f"{type(cause).__name__}: [Errno {cause.errno}] {cause.strerror}"
     else:
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-    what = f"{type(cause).__name__}: {text}"[:400]
+        what = describe(cause)
+    what = what[:400]
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
         hint = "the output's storage is full; free space and rerun the same command"
     else:

@@ -46,3 +46,31 @@ def test_credentials_are_redacted_from_failure_messages(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
     msg = failure_message(RuntimeError("signature for very-secret-value failed at s3://user:pw@host/x"))
     assert "very-secret-value" not in msg and "user:pw" not in msg and "***" in msg
+
+
+def test_an_actor_that_died_starting_is_named_by_its_own_error_not_ray_datas_marker():
+    """Ray Data re-raises `from SystemException()` (an empty marker), and an actor that died in its constructor
+    keeps its error only as text: the message names the constructor's own error."""
+    import traceback
+
+    from ray.data.exceptions import SystemException
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from pipeline.driver.failures import failure_message
+
+    try:
+        raise RuntimeError("the SGLang server exited with code 1 before it was ready: no CPU attention backend")
+    except RuntimeError as e:
+        task_error = RayTaskError("MapWorker(HiddenStateExtractor).__init__", traceback.format_exc(), e)
+    died = ActorDiedError(task_error)
+    try:
+        try:
+            raise died
+        except ActorDiedError as e:
+            raise e.with_traceback(None) from SystemException()
+    except ActorDiedError as outer:
+        msg = failure_message(outer)
+    assert "SystemException" not in msg and "\n" not in msg, msg
+    assert msg.startswith(
+        "the run failed: RuntimeError: the SGLang server exited with code 1 before it was ready: no CPU attention"
+    ), msg
