@@ -159,6 +159,7 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
         env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
         env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
         env["HIDDEN_HARVEST_FINAL"] = spec.final_layer
+        env["HIDDEN_HARVEST_AUX_LAYERS"] = ",".join(str(i) for i in spec.aux_layers)
     if spec.cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         threads = str(spec.cpu_threads or os.cpu_count() or 1)

@@ -102,3 +102,54 @@ def test_a_batch_without_its_pre_norm_state_gets_error_dumps_never_the_post_norm
         assert header["error"] == "no pre-norm state" and header["num_tokens"] == 0 and len(data) == 8 + n
         assert header["final_layer"] == "pre_norm"
     assert not (tmp_path / "other.hhd").exists()
+
+
+def test_gemma3s_residual_stream_is_kept_where_its_own_capture_keeps_the_layer_delta(hook_modules, monkeypatch):
+    """SGLang's Gemma-3 layer returns (delta, residual), the stream after it being their sum, and its own aux
+    capture appends the delta. The hook's wrapper (on a stand-in with that contract) keeps delta + residual of
+    the captured layers and of the last layer (the final norm's input), for extend batches only."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    hook = hook_modules.hook
+    monkeypatch.setattr(hook, "AUX_LAYERS", [0, 2])
+    monkeypatch.setattr(hook, "FINAL_LAYER", "pre_norm")
+
+    class Gemma3DecoderLayer:
+        def __init__(self, k):
+            self.k = k
+
+        def forward(self, hidden_states, forward_batch, residual=None):
+            residual = hidden_states if residual is None else hidden_states + residual  # the deferred add
+            return residual * 0 + self.k, residual  # the delta this layer adds
+
+    class Gemma3TextModel:
+        def __init__(self):
+            self.layers = [Gemma3DecoderLayer(k) for k in (1.0, 2.0, 3.0, 4.0)]
+
+        def forward(self, x, forward_batch):
+            h, r = x, None
+            for layer in self.layers:
+                h, r = layer.forward(hidden_states=h, forward_batch=forward_batch, residual=r)
+            return h + r
+
+    module = SimpleNamespace(Gemma3DecoderLayer=Gemma3DecoderLayer, Gemma3TextModel=Gemma3TextModel)
+    hook._patch_gemma3(module)
+    hook._patch_gemma3(module)  # a second import does not wrap twice
+
+    def batch(extend: bool):
+        fb = object.__new__(ForwardBatch)
+        fb.forward_mode = SimpleNamespace(is_extend=lambda: extend)
+        return fb
+
+    x, fb = torch.zeros(3, 2), batch(True)
+    out = Gemma3TextModel().forward(x, fb)
+    streams = getattr(fb, hook._AUX_ATTR)
+    assert sorted(streams) == [0, 2]
+    assert torch.equal(streams[0], x + 1) and torch.equal(streams[2], x + 6)  # embeddings + 1, then + 2 + 3
+    assert torch.equal(getattr(fb, hook._PRE_NORM_ATTR), out) and torch.equal(out, x + 10)
+    decode = batch(False)
+    Gemma3TextModel().forward(x, decode)
+    assert not hasattr(decode, hook._AUX_ATTR) and not hasattr(decode, hook._PRE_NORM_ATTR)

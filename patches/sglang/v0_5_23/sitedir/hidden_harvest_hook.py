@@ -12,8 +12,15 @@ The final layer before the norm (HIDDEN_HARVEST_FINAL=pre_norm): models end thei
 ``capture`` callback receives the updated residual, i.e. the input of the final norm (the fused kernel
 adds the last layer's output and the residual, then normalizes). The wrapper below passes a callback that
 keeps a copy on the forward batch, and the LogitsProcessor wrapper dumps that copy as the final layer. A
-model that never calls final_norm (gemma2 and gemma3 in this version) leaves no copy: its requests get a
-dump with an error, never the post-norm state under a pre-norm label.
+model that never calls final_norm leaves no copy: its requests get a dump with an error, never the
+post-norm state under a pre-norm label.
+
+Gemma-3 (``models/gemma3_causal.py``, also inside Gemma-3's multimodal model) defers each layer's residual add
+to the next layer's fused norm: a layer returns ``(delta, residual)`` and the residual stream after it is
+their sum. Its aux capture appends only ``delta``, another quantity than any other model's, and it calls its
+final norm directly. The hook wraps its decoder layer and keeps ``delta + residual`` of the captured layers
+(HIDDEN_HARVEST_AUX_LAYERS, the ids given to SGLang) and of the last layer (the final norm's input) on the
+forward batch; the LogitsProcessor wrapper dumps those instead.
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ from hidden_harvest_imports import patch_after_import
 PINNED_SGLANG_VERSION = "0.5.23"
 _TARGET_MODULE = "sglang.srt.layers.logits_processor"
 _NORM_MODULE = "sglang.srt.layers.layer_boundary.residual.batch"
+_GEMMA3_MODULE = "sglang.srt.models.gemma3_causal"
 _PRE_NORM_ATTR = "_hidden_harvest_pre_norm"  # on the ForwardBatch, set by final_norm, read by the logits hook
+_AUX_ATTR = "_hidden_harvest_aux"  # {layer id: residual stream after it}, where the model's own capture is not it
 FINAL_LAYER = os.environ.get("HIDDEN_HARVEST_FINAL", "post_norm")
+AUX_LAYERS = [int(i) for i in os.environ.get("HIDDEN_HARVEST_AUX_LAYERS", "").split(",") if i.strip()]
 
 logger = logging.getLogger("hidden_harvest_hook")
 
@@ -99,19 +109,26 @@ def _patch(module) -> None:
                     "hidden-harvest's hook is being captured into a CUDA graph: a replay would skip it and no "
                     "hidden states would be dumped; run SGLang with --disable-prefill-cuda-graph (the engine does)"
                 )
-            final, error = hidden_states, None
+            final, aux, error = hidden_states, aux_hidden_states, None
+            streams = getattr(fb, _AUX_ATTR, None)
+            if streams is not None:  # a model whose own aux capture is not the residual stream (Gemma-3)
+                if all(i in streams for i in AUX_LAYERS):
+                    aux = [streams[i] for i in AUX_LAYERS]
+                else:
+                    error = f"the residual stream of aux layers {AUX_LAYERS} was not kept (found {sorted(streams)})"
             if FINAL_LAYER == "pre_norm":
                 final = getattr(fb, _PRE_NORM_ATTR, None)
-                if final is None:
+                if final is None and error is None:
                     error = (
                         f"no pre-norm state: this model's forward does not end in {_NORM_MODULE}.final_norm "
                         "(unsupported by the SGLang 0.5.23 hook); extract with extract.final_layer=post_norm"
                     )
+                if final is None:
                     final = hidden_states
             _publisher.capture(
                 input_ids,
                 final,
-                aux_hidden_states,
+                aux,
                 fb.rids,
                 fb.extend_seq_lens_cpu,
                 fb.extend_prefix_lens_cpu,
@@ -153,8 +170,46 @@ def _patch_final_norm(module) -> None:
     logger.info("hidden-harvest: final layer captured before the final norm (%s.final_norm)", _NORM_MODULE)
 
 
+def _patch_gemma3(module) -> None:
+    _check_version()
+    layer_cls, model_cls = module.Gemma3DecoderLayer, module.Gemma3TextModel
+    if getattr(layer_cls.forward, "_hidden_harvest", False):
+        return
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    original_layer, original_model = layer_cls.forward, model_cls.forward
+
+    def model_forward(self, *args, **kwargs):
+        if not getattr(self, "_hidden_harvest_indexed", False):  # the layer knows its place only through this
+            for i, layer in enumerate(self.layers):
+                layer._hidden_harvest_index, layer._hidden_harvest_last = i, i == len(self.layers) - 1
+            self._hidden_harvest_indexed = True
+        return original_model(self, *args, **kwargs)
+
+    def layer_forward(self, *args, **kwargs):
+        delta, residual = original_layer(self, *args, **kwargs)
+        fb = kwargs.get("forward_batch")
+        i = getattr(self, "_hidden_harvest_index", None)
+        if isinstance(fb, ForwardBatch) and fb.forward_mode.is_extend() and i is not None:
+            last = FINAL_LAYER == "pre_norm" and self._hidden_harvest_last
+            if i in AUX_LAYERS or last:
+                stream = delta + residual  # what the next layer's fused norm adds: the residual stream after i
+                if i in AUX_LAYERS:
+                    if getattr(fb, _AUX_ATTR, None) is None:
+                        setattr(fb, _AUX_ATTR, {})
+                    getattr(fb, _AUX_ATTR)[i] = stream
+                if last:
+                    setattr(fb, _PRE_NORM_ATTR, stream)
+        return delta, residual
+
+    layer_forward._hidden_harvest = True
+    model_cls.forward, layer_cls.forward = model_forward, layer_forward
+    logger.info("hidden-harvest: Gemma-3's residual stream kept at layers %s (%s)", AUX_LAYERS, _GEMMA3_MODULE)
+
+
 def install_import_hook() -> None:
     patch_after_import(_TARGET_MODULE, _patch)
+    patch_after_import(_GEMMA3_MODULE, _patch_gemma3)
     if FINAL_LAYER == "pre_norm":
         patch_after_import(_NORM_MODULE, _patch_final_norm)
     elif FINAL_LAYER != "post_norm":
