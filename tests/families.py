@@ -43,7 +43,7 @@ def _configs(vocab: int, bos: int, eos: int) -> dict:
         "qwen3_moe": lambda: Qwen3MoeConfig(
             **COMMON, **ids, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True
         ),
-        "gemma3": lambda: Gemma3TextConfig(  # 1 + w norms, sliding windows every layer but each 6th
+        "gemma3_text": lambda: Gemma3TextConfig(  # 1 + w norms, sliding windows every layer but each 6th
             **COMMON, **ids, sliding_window=64, query_pre_attn_scalar=64, tie_word_embeddings=True
         ),
         "deepseek_v3": lambda: DeepseekV3Config(  # MLA, MoE, dense first block (Kimi-K2's shape)
@@ -70,7 +70,27 @@ def _configs(vocab: int, bos: int, eos: int) -> dict:
     }
 
 
-FAMILIES = ("llama", "mistral", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss")
+# Keys real checkpoints ship in config.json that transformers' config class does not write (SGLang reads them).
+EXTRA_CONFIG = {
+    "deepseek_v3": {  # Kimi-K2's: yarn rope scaling, sigmoid routing with a correction bias, every layer MoE after the first
+        "moe_layer_freq": 1,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "routed_scaling_factor": 2.827,
+        "ep_size": 1,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+    },
+}
+
+FAMILIES = ("llama", "mistral", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3", "gpt_oss")  # config.json model_type
 
 
 def make_model(family: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -81,13 +101,18 @@ def make_model(family: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> P
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = _configs(len(tok), tok.bos_token_id or 0, tok.eos_token_id)[family]()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # random init scaled as trained models are: residual stream grows, stays finite
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    if family in EXTRA_CONFIG:
+        import json
+
+        config_file = path / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **EXTRA_CONFIG[family]}, indent=2))
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy(f, path / f.name)

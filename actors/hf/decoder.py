@@ -75,9 +75,20 @@ class Decoder:
         from transformers import AutoModelForCausalLM
 
         _skip_packed_check()
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
+            )
+        except ValueError as e:
+            # A family without this attention kernel (gpt-oss's sinks have no sdpa path): eager attention is
+            # every family's reference implementation, slower but the same function.
+            if self.attn_implementation == "eager" or "attention implementation" not in str(e):
+                raise
+            logger.warning("%s: %s; using eager attention", self.model_dir, str(e).splitlines()[0])
+            self.attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation="eager"
+            )
         self.base = model.get_decoder().to(self.device).eval()
         self.vocab_size = int(model.config.vocab_size)
         del model  # the LM head is never used

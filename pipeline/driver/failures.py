@@ -31,15 +31,28 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
+def _where(lines: list[str]) -> str:
+    """`at pkg/file.py:N: <source line>` of a traceback's last frame: what a bare `assert` failed on."""
+    for k in range(len(lines) - 1, -1, -1):
+        m = re.match(r'^\s*File "([^"]*)", line (\d+)', lines[k])
+        if m:
+            path = m.group(1).split("site-packages/")[-1]
+            code = next((x.strip() for x in lines[k + 1 :] if x.strip() and not set(x.strip()) <= set("^~ ")), "")
+            return f"at {path}:{m.group(2)}" + (f": {code}" if code else "")
+    return ""
+
+
 def describe(cause: BaseException) -> str:
     """`Type: message` of the error that started it. An error whose text carries a remote traceback (an actor
     that died in its constructor: Ray keeps only the text) is named by that traceback's last line."""
     text = _ANSI.sub("", str(cause)).strip()
     if _FRAME.search(text):  # Ray drops the "Traceback (most recent call last):" line but keeps the frames
-        for line in reversed(text.splitlines()):
-            m = _EXCEPTION_LINE.match(line.strip())
+        lines = text.splitlines()
+        for k in range(len(lines) - 1, -1, -1):
+            m = _EXCEPTION_LINE.match(lines[k].strip())
             if m:
-                return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2) or ''}".rstrip(": ")
+                name, message = m.group(1).rsplit(".", 1)[-1], (m.group(2) or "").strip()
+                return f"{name}: {message}" if message else f"{name} {_where(lines[:k])}"
     return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 

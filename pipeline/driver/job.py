@@ -18,6 +18,7 @@ import pyarrow as pa
 from actors.engine import engine_class
 from actors.extractor import HiddenStateExtractor
 from conf import HarvestConfig
+from pipeline.driver import support
 from pipeline.driver.budget import check_budget
 from pipeline.driver.plan import Plan
 from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
@@ -265,7 +266,8 @@ def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, index: pa.Table) 
     )
     samples = index.num_rows
     logger.info(
-        "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens), device=%s; %s",
+        "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens), device=%s; "
+        "%s; %s with %s: %s",
         work.input_rows,
         samples,
         samples - work.rows - work.duplicate_samples,
@@ -274,7 +276,19 @@ def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, index: pa.Table) 
         work.tokens,
         "cuda" if plan.cuda else "cpu",
         work.conversations["plan"],
+        plan.support.get("family"),
+        plan.support.get("engine"),
+        plan.support.get("status"),
     )
+    known = plan.support
+    if known.get("status") != support.CHECKED_HERE:
+        logger.warning(
+            '%s on engine %s on %s is %s by this project (README, "Support"): audit the output before training',
+            known.get("family"),
+            known.get("engine"),
+            known.get("device"),
+            known.get("status"),
+        )
     if work.conversations["unrendered"]:
         logger.warning(
             "the chat template does not render some fields, which are kept out of those samples: %s "
@@ -373,6 +387,7 @@ def provenance(cfg: HarvestConfig, plan: Plan) -> dict:
         "hidden_size": plan.layout.hidden_size,
         "aux_width": plan.layout.aux_width,
         "encoding": plan.layout.metadata(),
+        "support": plan.support,
     }
 
 

@@ -6,10 +6,11 @@ reports as one line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from conf import HarvestConfig
+from pipeline.driver import support
 from pipeline.format.final_norm import FinalNormError, read_final_norm
 from pipeline.format.shards import ShardLayout
 from pipeline.intake import model as model_lib
@@ -26,6 +27,7 @@ class Plan:
     layout: ShardLayout
     cuda: bool
     settings: dict  # everything that changes the bytes of a sample
+    support: dict = field(default_factory=dict)  # what pipeline/driver/support.py knows of this family here
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -46,6 +48,13 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         model_dir = model_lib.resolve_model(cfg.model.path)
     except model_lib.ModelNotFound as e:
         raise PlanError(str(e)) from None
+    cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
+    try:  # first: a family this engine cannot run is refused before anything of the model is read
+        known = support.check(support.model_family(model_dir), cfg.engine.name, "cuda" if cuda else "cpu")
+    except support.Unsupported as e:
+        raise PlanError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise PlanError(f"model.path {cfg.model.path!r} cannot be used: {type(e).__name__}: {e}") from None
     try:
         n_layers, hidden = model_lib.num_hidden_layers(model_dir), model_lib.hidden_size(model_dir)
         fingerprints = {"model_sha256": model_lib.model_fingerprint(model_dir), **fingerprint_tokenizer(model_dir)}
@@ -69,7 +78,6 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
     layout = ShardLayout(
         tuple(aux), hidden, cfg.output.encoding, cfg.output.zstd_level, cfg.output.last_hidden_state, final_norm
     )
-    cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
     settings = {
         "format_version": layout.metadata()["format_version"],
         **fingerprints,
@@ -85,4 +93,4 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         "turns": cfg.extract.turns,
         "template_kwargs": dict(cfg.extract.template_kwargs),
     }
-    return Plan(model_dir, layout, cuda, settings)
+    return Plan(model_dir, layout, cuda, settings, known)

@@ -74,3 +74,18 @@ def test_an_actor_that_died_starting_is_named_by_its_own_error_not_ray_datas_mar
     assert msg.startswith(
         "the run failed: RuntimeError: the SGLang server exited with code 1 before it was ready: no CPU attention"
     ), msg
+
+
+def test_a_bare_assert_in_a_remote_traceback_is_named_by_its_source_line():
+    from pipeline.driver.failures import describe
+
+    text = (
+        "The actor died because of an error raised in its creation task, ray::MapWorker.__init__() (pid=1)\n"
+        '  File "/x/site-packages/sglang/srt/layers/rotary_embedding/factory.py", line 478, in get_rope_cpu\n'
+        "    assert rope_scaling is not None\n"
+        "           ^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        "AssertionError"
+    )
+    assert describe(RuntimeError(text)) == (
+        "AssertionError at sglang/srt/layers/rotary_embedding/factory.py:478: assert rope_scaling is not None"
+    )

@@ -149,3 +149,20 @@ def test_aux_layers_beyond_the_model_are_refused_before_the_run(repo_root):
 
     with pytest.raises(PlanError, match=re.escape("extract.aux_layers [2, 30]: the model has layers 0..29")):
         make_plan(load_config(repo_root / "conf" / "default.yaml", ["extract.aux_layers=[2, 30]"]), 0)
+
+
+def test_a_family_the_engine_cannot_run_is_refused_before_its_weights_are_read(repo_root, tmp_path):
+    """gpt-oss on SGLang's CPU mode (pipeline/driver/support.py): the plan names the family, why, and the
+    engine that runs it; only config.json is read (this model directory has no weights at all)."""
+    import json
+
+    from conf import load_config
+    from pipeline.driver.plan import PlanError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 8}))
+    cfg = load_config(repo_root / "conf" / "default.yaml", [f"model.path={tmp_path}", "engine.device=cpu"])
+    with pytest.raises(PlanError) as e:
+        make_plan(cfg, 0)
+    msg = str(e.value)
+    assert msg.startswith("gpt-oss (gpt_oss) cannot run on engine sglang on cpu: SGLang 0.5.23 runs gpt-oss only")
+    assert "try engine.name=hf" in msg

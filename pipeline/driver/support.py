@@ -1,0 +1,112 @@
+"""Which model families run on which engine and device, as far as this project has checked: the README's
+support table is made from this one (tests/unit/pipeline/test_support.py keeps them equal), the family tests run
+every pair marked as checked here (tests/e2e/test_families.py), and the plan reads it: a pair that cannot run
+is refused before the run, a pair nobody checked says so in the plan line and the manifest.
+
+A family is config.json's `model_type` (a multimodal model's text_config names its text family).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CHECKED_HERE = "checked here"  # a test of this repository runs it on a CPU machine and audits the output
+CHECKED_GPU = "checked on the GPU machine"  # run and audited there, recorded in bench/results
+NOT_CHECKED = "not checked"
+CANNOT = "cannot run"  # refused before the run, with the reason
+
+
+@dataclass(frozen=True)
+class Entry:
+    status: str
+    note: str = ""
+    in_suite: bool = False  # also runs in `make test` (the rest of the checked pairs: `make test-long`)
+
+
+# (family, engine, device) -> what is known. Pairs not listed are NOT_CHECKED.
+SUPPORT: dict[tuple[str, str, str], Entry] = {
+    ("llama", "sglang", "cpu"): Entry(CHECKED_HERE, "the default model's family (SmolLM2)"),
+    ("llama", "hf", "cpu"): Entry(CHECKED_HERE),
+    ("llama", "hf", "cuda"): Entry(CHECKED_GPU, "random-init Llama shapes: bench/results/job_h200.json"),
+    ("qwen3", "sglang", "cpu"): Entry(CHECKED_HERE, "QK-norm"),
+    ("qwen3", "hf", "cpu"): Entry(CHECKED_HERE, "QK-norm"),
+    ("qwen3_moe", "sglang", "cpu"): Entry(CHECKED_HERE, "MoE routing"),
+    ("qwen3_moe", "hf", "cpu"): Entry(CHECKED_HERE, "MoE routing"),
+    ("gemma3_text", "sglang", "cpu"): Entry(
+        CHECKED_HERE, "the hook keeps the residual stream where Gemma-3's own capture keeps a layer's delta", True
+    ),
+    ("gemma3_text", "hf", "cpu"): Entry(CHECKED_HERE, "1 + w norms, sliding windows"),
+    ("deepseek_v3", "hf", "cpu"): Entry(
+        CHECKED_HERE, "MLA, MoE with a dense first block (Kimi-K2's config keys)", True
+    ),
+    ("gpt_oss", "sglang", "cpu"): Entry(
+        CANNOT,
+        "SGLang 0.5.23 runs gpt-oss only on an attention backend with sinks (triton, fa3, intel_amx, ...), "
+        "none of which its CPU mode has here",
+    ),
+    ("gpt_oss", "hf", "cpu"): Entry(
+        NOT_CHECKED,
+        "runs (eager attention: transformers has no sdpa path for its sinks), but the audit fails single tokens "
+        "where MoE routing flips between bf16 and float32",
+    ),
+}
+
+FAMILY_NAMES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE",
+    "gemma3_text": "Gemma-3",
+    "deepseek_v3": "DeepSeek-V3 / Kimi-K2",
+    "gpt_oss": "gpt-oss",
+}
+ENGINES = ("sglang", "hf")
+DEVICES = ("cpu", "cuda")
+
+
+class Unsupported(ValueError):
+    """This family cannot run on the engine asked for; the message names the family and what runs it."""
+
+
+def model_family(model_dir: Path) -> str:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    return str(text.get("model_type") or config.get("model_type") or "unknown")
+
+
+def lookup(family: str, engine: str, device: str) -> Entry:
+    return SUPPORT.get((family, engine, device), Entry(NOT_CHECKED))
+
+
+def check(family: str, engine: str, device: str) -> dict:
+    """What the manifest records; raises Unsupported for a pair that cannot run."""
+    entry = lookup(family, engine, device)
+    name = FAMILY_NAMES.get(family, family)
+    if entry.status == CANNOT:
+        others = [
+            f"{e} ({lookup(family, e, device).status})"
+            for e in ENGINES
+            if e != engine and lookup(family, e, device).status != CANNOT
+        ]
+        runs = f"; on {device} try engine.name={others[0].split(' ')[0]} ({', '.join(others)})" if others else ""
+        raise Unsupported(f"{name} ({family}) cannot run on engine {engine} on {device}: {entry.note}{runs}")
+    return {"family": family, "engine": engine, "device": device, "status": entry.status, "note": entry.note}
+
+
+def table_markdown() -> str:
+    """The README's support table."""
+    families = list(FAMILY_NAMES)
+    cols = [(e, d) for e in ENGINES for d in DEVICES]
+    lines = [
+        "| family | " + " | ".join(f"{e} on {d}" for e, d in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for f in families:
+        cells = []
+        for e, d in cols:
+            entry = lookup(f, e, d)
+            cells.append(entry.status + (f": {entry.note}" if entry.note and entry.status != CHECKED_HERE else ""))
+        lines.append(f"| {FAMILY_NAMES[f]} (`{f}`) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
