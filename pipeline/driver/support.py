@@ -25,11 +25,18 @@ class Entry:
     in_suite: bool = False  # also runs in `make test` (the rest of the checked pairs: `make test-long`)
 
 
+GPU_RUNS = "bench/families_gpu.py on an H200, bench/results/families_h200.json"
+
 # (family, engine, device) -> what is known. Pairs not listed are NOT_CHECKED.
 SUPPORT: dict[tuple[str, str, str], Entry] = {
     ("llama", "sglang", "cpu"): Entry(CHECKED_HERE, "the default model's family (SmolLM2)"),
     ("llama", "hf", "cpu"): Entry(CHECKED_HERE),
-    ("llama", "hf", "cuda"): Entry(CHECKED_GPU, "random-init Llama shapes: bench/results/job_h200.json"),
+    ("llama", "hf", "cuda"): Entry(CHECKED_GPU, GPU_RUNS),
+    ("qwen3", "hf", "cuda"): Entry(CHECKED_GPU, GPU_RUNS),
+    ("qwen3_moe", "hf", "cuda"): Entry(CHECKED_GPU, GPU_RUNS),
+    ("gemma3_text", "hf", "cuda"): Entry(CHECKED_GPU, GPU_RUNS),
+    ("deepseek_v3", "hf", "cuda"): Entry(CHECKED_GPU, GPU_RUNS),
+    ("gpt_oss", "hf", "cuda"): Entry(CHECKED_GPU, GPU_RUNS + "; eager attention"),
     ("qwen3", "sglang", "cpu"): Entry(CHECKED_HERE, "QK-norm"),
     ("qwen3", "hf", "cpu"): Entry(CHECKED_HERE, "QK-norm"),
     ("qwen3_moe", "sglang", "cpu"): Entry(CHECKED_HERE, "MoE routing"),
