@@ -45,6 +45,12 @@ SUPPORT: dict[tuple[str, str, str], Entry] = {
         CHECKED_HERE, "the hook keeps the residual stream where Gemma-3's own capture keeps a layer's delta", True
     ),
     ("gemma3_text", "hf", "cpu"): Entry(CHECKED_HERE, "1 + w norms, sliding windows"),
+    ("deepseek_v3", "sglang", "cpu"): Entry(
+        CANNOT,
+        "SGLang 0.5.23's CPU attention backend (torch_native) runs DeepSeek's MHA prefill against its MLA latent KV "
+        "cache (a batched-matmul shape mismatch: kv_lora_rank + rope dim against the query's), with Kimi-K2's "
+        "config keys too",
+    ),
     ("deepseek_v3", "hf", "cpu"): Entry(
         CHECKED_HERE, "MLA, MoE with a dense first block (Kimi-K2's config keys)", True
     ),
