@@ -73,6 +73,7 @@ def test_an_actor_killed_mid_run_is_restarted_and_its_batch_retried(ray_session,
     """kill -9 of the extractor actor once the first shard is committed (the transformers engine: a restart costs a
     model load, not a server start): Ray restarts it and retries its batch, and every input row is accounted
     for once. The whole-job version with the SGLang engine is tests/e2e/test_actor_faults.py (make test-long)."""
+    import os
     import signal
     import threading
     import time
@@ -89,7 +90,8 @@ def test_an_actor_killed_mid_run_is_restarted_and_its_batch_retried(ray_session,
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not list((out / "shards").glob("part-*.parquet")):
             time.sleep(0.2)
-        for p in processes_matching("HiddenStateExtractor", since=started - 1):
+        # Only this test's own Ray workers (descendants of this process): never another job's on the machine.
+        for p in processes_matching("HiddenStateExtractor", under=os.getpid(), since=started - 1):
             p.send_signal(signal.SIGKILL)
             killed.append(p.pid)
 
