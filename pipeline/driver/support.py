@@ -29,6 +29,12 @@ ROUTING_FLIPS = (
     "runs, but the audit fails single tokens where MoE routing flips between bf16 and float32 and the bf16 "
     "yardsticks do not flip"
 )
+ENGINES = ("sglang", "hf")
+DEVICES = ("cpu", "cuda")
+NO_EAGLE3_CAPTURE = (
+    "SGLang 0.5.23's model class for it has no EAGLE-3 aux capture (no set_eagle3_layers_to_capture), so no aux "
+    "layer can be dumped"
+)
 GPU_RUNS = "bench/families_gpu.py on an H200, bench/results/families_h200.json"
 
 # (family, engine, device) -> what is known. Pairs not listed are NOT_CHECKED.
@@ -58,6 +64,11 @@ SUPPORT: dict[tuple[str, str, str], Entry] = {
     ("deepseek_v3", "hf", "cpu"): Entry(
         CHECKED_HERE, "MLA, MoE with a dense first block (Kimi-K2's config keys)", True
     ),
+    **{
+        (family, "sglang", device): Entry(CANNOT, NO_EAGLE3_CAPTURE)
+        for family in ("gemma", "gemma2")
+        for device in DEVICES
+    },
     ("gpt_oss", "sglang", "cpu"): Entry(
         CANNOT,
         "SGLang 0.5.23 runs gpt-oss only on an attention backend with sinks (triton, fa3, intel_amx, ...), "
@@ -69,6 +80,8 @@ SUPPORT: dict[tuple[str, str, str], Entry] = {
 }
 
 FAMILY_NAMES = {
+    "gemma": "Gemma",
+    "gemma2": "Gemma-2",
     "llama": "Llama",
     "mistral": "Mistral",
     "qwen3": "Qwen3",
@@ -77,8 +90,6 @@ FAMILY_NAMES = {
     "deepseek_v3": "DeepSeek-V3 / Kimi-K2",
     "gpt_oss": "gpt-oss",
 }
-ENGINES = ("sglang", "hf")
-DEVICES = ("cpu", "cuda")
 
 
 class Unsupported(ValueError):
