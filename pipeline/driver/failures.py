@@ -8,7 +8,7 @@ import re
 from pipeline.format.storage import redact
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_FRAME = re.compile(r'^\s*File "[^"]*", line \d+', re.M)  # a frame of a Python traceback
+_FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+)', re.M)  # a frame of a Python traceback: file, line
 # The last line of a Python traceback: `pkg.module.SomeError: message` (or the bare name).
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure))(?::\s*(.*))?$")
 
@@ -34,7 +34,7 @@ def root_cause(e: BaseException) -> BaseException:
 def _where(lines: list[str]) -> str:
     """`at pkg/file.py:N: <source line>` of a traceback's last frame: what a bare `assert` failed on."""
     for k in range(len(lines) - 1, -1, -1):
-        m = re.match(r'^\s*File "([^"]*)", line (\d+)', lines[k])
+        m = _FRAME.match(lines[k])
         if m:
             path = m.group(1).split("site-packages/")[-1]
             code = next((x.strip() for x in lines[k + 1 :] if x.strip() and not set(x.strip()) <= set("^~ ")), "")

@@ -280,14 +280,10 @@ def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, index: pa.Table) 
         plan.support.get("engine"),
         plan.support.get("status"),
     )
-    known = plan.support
-    if known.get("status") != support.CHECKED_HERE:
+    if plan.support.get("status") != support.CHECKED_HERE:
         logger.warning(
             '%s on engine %s on %s is %s by this project (README, "Support"): audit the output before training',
-            known.get("family"),
-            known.get("engine"),
-            known.get("device"),
-            known.get("status"),
+            *(plan.support.get(k) for k in ("family", "engine", "device", "status")),
         )
     if work.conversations["unrendered"]:
         logger.warning(

@@ -3,14 +3,13 @@ support table is made from this one (tests/unit/pipeline/test_support.py keeps t
 every pair marked as checked here (tests/e2e/test_families.py), and the plan reads it: a pair that cannot run
 is refused before the run, a pair nobody checked says so in the plan line and the manifest.
 
-A family is config.json's `model_type` (a multimodal model's text_config names its text family).
+A family is config.json's `model_type` (pipeline.intake.model.model_type: a multimodal model's text_config
+names its text family).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 CHECKED_HERE = "checked here"  # a test of this repository runs it on a CPU machine and audits the output
 CHECKED_GPU = "checked on the GPU machine"  # run and audited there, recorded in bench/results
@@ -96,12 +95,6 @@ class Unsupported(ValueError):
     """This family cannot run on the engine asked for; the message names the family and what runs it."""
 
 
-def model_family(model_dir: Path) -> str:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text = config.get("text_config") or {}
-    return str(text.get("model_type") or config.get("model_type") or "unknown")
-
-
 def lookup(family: str, engine: str, device: str) -> Entry:
     return SUPPORT.get((family, engine, device), Entry(NOT_CHECKED))
 
@@ -111,12 +104,9 @@ def check(family: str, engine: str, device: str) -> dict:
     entry = lookup(family, engine, device)
     name = FAMILY_NAMES.get(family, family)
     if entry.status == CANNOT:
-        others = [
-            f"{e} ({lookup(family, e, device).status})"
-            for e in ENGINES
-            if e != engine and lookup(family, e, device).status != CANNOT
-        ]
-        runs = f"; on {device} try engine.name={others[0].split(' ')[0]} ({', '.join(others)})" if others else ""
+        others = [e for e in ENGINES if e != engine and lookup(family, e, device).status != CANNOT]
+        known = ", ".join(f"{e} ({lookup(family, e, device).status})" for e in others)
+        runs = f"; on {device} try engine.name={others[0]} ({known})" if others else ""
         raise Unsupported(f"{name} ({family}) cannot run on engine {engine} on {device}: {entry.note}{runs}")
     return {"family": family, "engine": engine, "device": device, "status": entry.status, "note": entry.note}
 

@@ -109,11 +109,21 @@ def hidden_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["hidden_size"])
 
 
+def _text_field(model_dir: Path, key: str):
+    """A config.json field of the text model: a multimodal config keeps it in text_config, else at the top."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return (config.get("text_config") or {}).get(key) or config.get(key)
+
+
 def vocab_size(model_dir: Path) -> int | None:
-    """Rows of the model's lm_head (a multimodal config keeps it in text_config); None where it is not said."""
-    config = json.loads((model_dir / "config.json").read_text())
-    value = (config.get("text_config") or config).get("vocab_size", config.get("vocab_size"))
+    """Rows of the model's lm_head; None where config.json does not say it."""
+    value = _text_field(model_dir, "vocab_size")
     return int(value) if value is not None else None
+
+
+def model_type(model_dir: Path) -> str:
+    """The text model's family, as config.json names it (`llama`, `gemma3_text`, ...)."""
+    return str(_text_field(model_dir, "model_type") or "unknown")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,8 @@ class _Layout:
 
 
 class _SpecForge(_Layout):
+    VOCAB = "vocab_mapping-{n}.pt"  # {d2t, t2d}, for model.vocab_mapping_path
+
     def __init__(self, aux_layers, hidden):
         if len(aux_layers) != 3:
             raise ExportError(
@@ -200,7 +202,7 @@ class _SpecForge(_Layout):
 
         model = {"target_model_path": model_path, "aux_hidden_state_layer_ids": list(self.aux_layers)}
         if draft_vocab:
-            model["vocab_mapping_path"] = posixpath.join(dest, f"vocab_mapping-{draft_vocab}.pt")
+            model["vocab_mapping_path"] = posixpath.join(dest, self.VOCAB.format(n=draft_vocab))
         config = {"model": model, "data": {"hidden_states_path": dest}, "training": {"strategy": "eagle3"}}
         step = f"specforge train --config {posixpath.join(dest, SPECFORGE_CONFIG)} (add your training settings to it)"
         return (
@@ -213,17 +215,20 @@ class _SpecForge(_Layout):
         import torch
 
         return {
-            f"vocab_mapping-{d2t.size}.pt": _torch_bytes({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)})
+            self.VOCAB.format(n=d2t.size): _torch_bytes({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)})
         }
 
     def read_vocab(self, out, n):
         import torch
 
-        d = torch.load(io.BytesIO(out.read_bytes(f"vocab_mapping-{n}.pt")), weights_only=True)
+        d = torch.load(io.BytesIO(out.read_bytes(self.VOCAB.format(n=n))), weights_only=True)
         return d["d2t"].numpy(), d["t2d"].numpy()
 
 
 class _ModelOpt(_Layout):
+    # Its draft keeps d2t only. Not `.pt`: its dataset reads every `*.pt` under the folder as a conversation.
+    VOCAB = "d2t-{n}.pth"
+
     def name(self, i):
         return f"{i:09d}.pt"
 
@@ -249,7 +254,9 @@ class _ModelOpt(_Layout):
         return {"aux_layer_ids (0-based decoder outputs)": list(self.aux_layers)}
 
     def training(self, dest, model_path, draft_vocab):
-        vocab = f"; the draft vocabulary: {posixpath.join(dest, f'd2t-{draft_vocab}.pth')}" if draft_vocab else ""
+        vocab = (
+            f"; the draft vocabulary: {posixpath.join(dest, self.VOCAB.format(n=draft_vocab))}" if draft_vocab else ""
+        )
         return (
             {},
             {},
@@ -259,17 +266,22 @@ class _ModelOpt(_Layout):
     def vocab_files(self, d2t, t2d):
         import torch
 
-        # Its draft keeps d2t only. Not `.pt`: its dataset reads every `*.pt` under the folder as a conversation.
-        return {f"d2t-{d2t.size}.pth": _torch_bytes(torch.from_numpy(d2t))}
+        return {self.VOCAB.format(n=d2t.size): _torch_bytes(torch.from_numpy(d2t))}
 
     def read_vocab(self, out, n):
         import torch
 
-        return torch.load(io.BytesIO(out.read_bytes(f"d2t-{n}.pth")), weights_only=True).numpy(), None
+        return torch.load(io.BytesIO(out.read_bytes(self.VOCAB.format(n=n))), weights_only=True).numpy(), None
 
 
 class _Speculators(_Layout):
     final = "pre_norm"  # its draft applies the verifier's norm itself
+    VOCAB = "{k}-{n}.npy"  # d2t and t2d: the names its CLI loads for --draft-vocab-size N
+
+    @property
+    def hf_ids(self) -> list[int]:
+        """Our aux ids as its --target-layer-ids: HF hidden_states indices (ours + 1)."""
+        return [i + 1 for i in self.aux_layers]
 
     def name(self, i):
         return f"hidden_states/hs_{i}.safetensors"
@@ -305,7 +317,7 @@ class _Speculators(_Layout):
         return d["token_ids"].numpy(), None, _bits(hs[:, :-1].reshape(t, -1)), _bits(hs[:, -1])
 
     def layer_ids(self):
-        return {"target_layer_ids (HF hidden_states indices of the aux layers)": [i + 1 for i in self.aux_layers]}
+        return {"target_layer_ids (HF hidden_states indices of the aux layers)": self.hf_ids}
 
     def training(self, dest, model_path, draft_vocab):
         args = [
@@ -316,7 +328,7 @@ class _Speculators(_Layout):
             "--data-path",
             dest,
             "--target-layer-ids",
-            *[str(i + 1) for i in self.aux_layers],
+            *[str(i) for i in self.hf_ids],
             "--on-missing",
             "raise",  # every row has its file; never ask a vLLM server for one
             *(["--draft-vocab-size", str(draft_vocab)] if draft_vocab else []),
@@ -328,10 +340,10 @@ class _Speculators(_Layout):
         )
 
     def vocab_files(self, d2t, t2d):
-        return {f"d2t-{d2t.size}.npy": _npy_bytes(d2t), f"t2d-{d2t.size}.npy": _npy_bytes(t2d)}
+        return {self.VOCAB.format(k=k, n=d2t.size): _npy_bytes(a) for k, a in (("d2t", d2t), ("t2d", t2d))}
 
     def read_vocab(self, out, n):
-        return tuple(np.load(io.BytesIO(out.read_bytes(f"{k}-{n}.npy"))) for k in ("d2t", "t2d"))
+        return tuple(np.load(io.BytesIO(out.read_bytes(self.VOCAB.format(k=k, n=n)))) for k in ("d2t", "t2d"))
 
 
 _LAYOUTS = {"specforge": _SpecForge, "modelopt": _ModelOpt, "speculators": _Speculators}

@@ -17,12 +17,12 @@ from pipeline.driver.support import CHECKED_HERE, SUPPORT
 pytestmark = pytest.mark.slow
 
 
-def _pairs(in_suite: bool):
+def _pairs():
     out = []
     for (family, engine, device), entry in sorted(SUPPORT.items()):
         if device != "cpu" or entry.status != CHECKED_HERE:
             continue
-        marks = [] if (entry.in_suite and in_suite) else [pytest.mark.long]
+        marks = [] if entry.in_suite else [pytest.mark.long]
         out.append(pytest.param(family, engine, id=f"{family}-{engine}", marks=marks))
     return out
 
@@ -46,7 +46,7 @@ def family_input(tmp_path_factory, model_dir):
     return path
 
 
-@pytest.mark.parametrize("family,engine", _pairs(in_suite=True))
+@pytest.mark.parametrize("family,engine", _pairs())
 def test_a_family_runs_through_the_job_and_passes_the_audit(
     family, engine, family_models, family_input, ray_session, make_config, tmp_path
 ):

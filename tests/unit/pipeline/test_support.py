@@ -44,4 +44,6 @@ def test_an_unlisted_pair_is_not_checked_and_the_family_comes_from_the_text_conf
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}})
     )
-    assert support.model_family(tmp_path) == "gemma3_text"
+    from pipeline.intake.model import model_type
+
+    assert model_type(tmp_path) == "gemma3_text"
