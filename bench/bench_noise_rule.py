@@ -9,10 +9,11 @@ A real SGLang server in CPU mode captures them at aux layers 2, 14, 15, 16, 27; 
 (pipeline/tools/audit.Reference) gives the float32 truth and the bf16 yardsticks. Printed and recorded,
 per quantity the worst case over every sample and stored layer:
 
-  healthy: the capture's mean distance over the yardsticks' mean, and its worst token over its base
+  healthy: the capture's mean distance over the yardsticks' mean, its worst token over its base, and its
+  worst token's largest element over that base
   damage: another sample's states (the next longer sample's first T rows), the sequence offset by one
   token, layer 14 or 16 stored as 15 (sample means), and the largest value of one token with its sign
-  flipped (that token).
+  flipped (that token), by the distance and by the larger of the distance and the largest element.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def sample_ratio(got, truth, yards) -> float:
     return ratios(got, truth, yards)[0]
 
 
+def peak_ratio(got, truth, yards, upstream) -> float:
+    """The worst token's largest element over its base (widened alike)."""
+    return ratios(got, truth, yards, upstream)[2]
+
+
 def token_ratio(got, truth, yards, upstream) -> float:
     """The worst token over its base, the base widened by the noise the token carries up from shallower layers."""
     return ratios(got, truth, yards, upstream)[1]
@@ -102,6 +108,7 @@ def main() -> None:
             where = f"{key} block {j}"
             note(worst, "healthy sample", sample_ratio(g, truth[j], yards[j]), where, max)
             note(worst, "healthy token", token_ratio(g, truth[j], yards[j], ups[j]), where, max)
+            note(worst, "healthy largest element", peak_ratio(g, truth[j], yards[j], ups[j]), where, max)
             shifted = np.concatenate([g[1:], g[-1:]])
             note(least, "offset by one token (sample)", sample_ratio(shifted, truth[j], yards[j]), where, min)
             bad = g.copy()
@@ -109,6 +116,8 @@ def main() -> None:
             c = int(np.argmax(np.abs(bad[t])))
             bad[t, c] = -bad[t, c]
             note(least, "one value's sign flipped (token)", token_ratio(bad, truth[j], yards[j], ups[j]), where, min)
+            flipped = max(token_ratio(bad, truth[j], yards[j], ups[j]), peak_ratio(bad, truth[j], yards[j], ups[j]))
+            note(least, "one value's sign flipped (token, either criterion)", flipped, where, min)
         for other in (LAYERS.index(14), LAYERS.index(16)):
             r = sample_ratio(got[key][other], truth[k15], yards[k15])
             note(least, "neighbouring layer (sample)", r, f"{key} layer {LAYERS[other]} as 15", min)
@@ -139,6 +148,10 @@ def main() -> None:
         "sample damage over sample factor": round(sample_damage / SAMPLE_FACTOR, 2),
         "token factor over healthy": round(TOKEN_FACTOR / worst["healthy token"][0], 2),
         "token damage over token factor": round(least["one value's sign flipped (token)"][0] / TOKEN_FACTOR, 2),
+        "token factor over healthy largest element": round(TOKEN_FACTOR / worst["healthy largest element"][0], 2),
+        "sign flip (either criterion) over token factor": round(
+            least["one value's sign flipped (token, either criterion)"][0] / TOKEN_FACTOR, 2
+        ),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -93,13 +93,16 @@ EXTRA_CONFIG = {
 FAMILIES = ("llama", "mistral", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3", "gpt_oss")  # config.json model_type
 
 
-def make_model(family: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write a random-init `family` model (bf16 safetensors) with the tokenizer of `tokenizer_dir` to `path`."""
+def make_model(family: str, path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Write a random-init `family` model (bf16 safetensors) with the tokenizer of `tokenizer_dir` to `path`;
+    `overrides`: config values set on the family's config (e.g. sliding_window=None)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = _configs(len(tok), tok.bos_token_id or 0, tok.eos_token_id)[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # random init scaled as trained models are: residual stream grows, stays finite

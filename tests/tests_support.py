@@ -174,3 +174,67 @@ class References:
             r.close()
         self._refs.clear()
         gc.collect()
+
+
+def damaged_samples_fail(out, device: str = "cpu", max_samples: int | None = None) -> tuple[dict, dict]:
+    """Each sample of a healthy output damaged four ways, judged by the audit's rule against its own reference
+        (pipeline.tools.audit.Reference on `device`); asserts every damaged sample fails, the damaged layer among
+        its failures. Swapped: the longest other sample's first T rows; shifted: the second aux layer's states in
+        the first's place; offset: every row one position late; corrupted: the largest value of the middle token's
+        final state with its sign flipped. Returns ({kind: {"samples": caught, "least_excess": the smallest, over
+    the samples, of how many times its allowance the damaged sample's worst layer stands}}, the MoE routers)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pipeline.format.manifest import read_manifest
+    from pipeline.format.shards import decode_row, list_shards, read_layout
+    from pipeline.format.storage import Store
+    from pipeline.tools.audit import Reference, judge_sample
+
+    store = Store(str(out))
+    manifest = read_manifest(store)
+    samples = []
+    for rel in list_shards(store):
+        table = pq.read_table(store.path(rel))
+        meta = read_layout(table.schema)
+        samples += [
+            decode_row(table, i, meta, as_torch=False, expand_last=False, final="stored") for i in range(table.num_rows)
+        ]
+    samples = samples[:max_samples]
+    assert all("last_hidden_state_positions" not in s for s in samples), "a masked final state: not handled here"
+    layers, h = tuple(manifest["aux_layers"]), manifest["hidden_size"]
+    final_layer = manifest["data_settings"].get("final_layer", "post_norm")
+    with Reference(manifest["model"]["path"], layers, device, final_layer=final_layer) as ref:
+        refs = ref.samples([s["input_ids"].tolist() for s in samples])
+        routers = dict(ref.routers)
+
+    def damaged(s):
+        n = s["num_tokens"]
+        donor = max((x for x in samples if x is not s), key=lambda x: x["num_tokens"])
+        aux, last = s["aux_hidden_states"], s["last_hidden_state"]
+        if donor["num_tokens"] >= n:
+            yield "swapped", donor["aux_hidden_states"][:n], donor["last_hidden_state"][:n], None
+        if len(layers) > 1:
+            shifted = aux.copy()
+            shifted[:, :h] = aux[:, h : 2 * h]
+            yield "shifted", shifted, last, f"aux layer {layers[0]}"
+        yield "offset", np.concatenate([aux[1:], aux[-1:]]), np.concatenate([last[1:], last[-1:]]), None
+        bad = last.copy()
+        t = n // 2
+        c = int(np.argmax(bad[t] & 0x7FFF))  # the largest magnitude (bf16 bits order as magnitudes do)
+        bad[t, c] ^= 0x8000  # its sign bit
+        yield "corrupted", aux, bad, "final"
+
+    caught: dict[str, dict] = {}
+    for s, r in zip(samples, refs):
+        for kind, aux, last, layer in damaged(s):
+            results = judge_sample({**s, "aux_hidden_states": aux, "last_hidden_state": last}, r, layers, h)
+            failed = [x.layer for x in results if not x.passed]
+            assert failed, (kind, s["sample_id"])
+            assert layer is None or layer in failed, (kind, s["sample_id"], failed)
+            excess = max(x.excess for x in results)
+            seen = caught.setdefault(kind, {"samples": 0, "least_excess": float("inf")})
+            seen["samples"] += 1
+            seen["least_excess"] = round(min(seen["least_excess"], excess), 2)
+    assert set(caught) >= {"shifted", "offset", "corrupted"} and "swapped" in caught, caught
+    return caught, routers

@@ -5,6 +5,12 @@ final norm (post_norm), or its input, the last decoder layer's output (pre_norm)
 conventions. The LM head never runs: SGLang computes logits for one
 position only, and the stored states do not need them. Used by the capturing engine (engine.py) and by
 the float reference (reference.py).
+
+With `routes=True` (the reference) it also keeps, for every MoE layer, the scores its router chooses the
+experts by, and with `flips=True` how far the layer's expert output moves when a token's last chosen expert
+is swapped for the next one (the same weight): the audit needs both to know at which tokens the choice is a
+near tie that bf16 rounding may flip, and how much a flip there may move the token
+(pipeline/tools/fidelity.py, "routing").
 """
 
 from __future__ import annotations
@@ -48,6 +54,28 @@ def _first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def _router(layer):
+    """(router, experts) of one decoder layer's MoE block, (None, None) for a dense layer. transformers 5's
+    routers (Qwen3-MoE, gpt-oss, DeepSeek-V3/Kimi, Mixtral, GLM-4-MoE, ...) are modules with `top_k` and an
+    [E, H] `weight` that return (router_logits, weights, indices); their block keeps the experts beside them
+    as `experts`, called as experts(hidden [N, H], indices [N, k], weights [N, k])."""
+    for name, module in layer.named_modules():
+        w = getattr(module, "weight", None)
+        if "router" in type(module).__name__.lower() and hasattr(module, "top_k") and getattr(w, "ndim", 0) == 2:
+            block = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+            return module, getattr(block, "experts", None)
+    return None, None
+
+
+def _choice_scores(router, output):
+    """What the router takes its top-k over, [N, E] float32: the logits (softmax keeps their order), or for
+    DeepSeek's sigmoid routing sigmoid(logits) plus the load-balancing correction bias. Group-limited routing
+    (n_group > 1) first drops whole groups; the per-expert scores still say where a choice is a near tie."""
+    logits = _first(output).float()
+    bias = getattr(router, "e_score_correction_bias", None)
+    return logits.sigmoid() + bias.float() if bias is not None else logits
+
+
 class Decoder:
     def __init__(
         self,
@@ -57,6 +85,8 @@ class Decoder:
         dtype: str,
         attn_implementation: str = "sdpa",
         final_layer: str = "post_norm",
+        routes: bool = False,
+        flips: bool = False,
     ):
         if final_layer not in ("post_norm", "pre_norm"):
             raise ValueError(f"final_layer {final_layer!r}: post_norm or pre_norm")
@@ -69,6 +99,9 @@ class Decoder:
         self._taken: dict = {}
         self._keeping = False
         self._hooks: list = []
+        self.routes = routes or flips
+        self.flips = flips
+        self.routers: dict[int, int] = {}  # decoder layer -> its router's top-k (MoE layers only)
 
     def load(self) -> Decoder:
         import torch
@@ -104,6 +137,17 @@ class Decoder:
             self.layers[i].register_forward_hook(self._keep(("aux", k))) for k, i in enumerate(self.aux_layers)
         ]
         self._hooks.append(self.norm.register_forward_hook(self._keep(("last", 0), self.final_layer == "pre_norm")))
+        if self.routes:
+            for i, layer in enumerate(self.layers):
+                router, experts = _router(layer)
+                if router is None:
+                    continue
+                self.routers[i] = int(router.top_k)
+                self._hooks.append(router.register_forward_hook(self._keep_route(i, router)))
+                if self.flips:
+                    if experts is None:
+                        raise RuntimeError(f"{self.model_dir}: layer {i} has a router but no `experts` beside it")
+                    self._hooks.append(experts.register_forward_hook(self._keep_flip(i, experts)))
         return self
 
     def close(self) -> None:
@@ -116,6 +160,30 @@ class Decoder:
         def hook(_module, inputs, output):
             if self._keeping:
                 self._taken[slot] = inputs[0] if take_input else _first(output)
+
+        return hook
+
+    def _keep_route(self, layer: int, router):
+        def hook(_module, _inputs, output):
+            if self._keeping:
+                self._taken[("route", layer)] = _choice_scores(router, output)
+
+        return hook
+
+    def _keep_flip(self, layer: int, experts):
+        import torch
+
+        def hook(_module, inputs, output):
+            if not self._keeping:
+                return
+            hidden, index, weights = inputs[:3]
+            scores = self._taken[("route", layer)]  # the router runs before its experts
+            k = index.shape[-1]
+            ranked = scores.argsort(dim=-1, descending=True)
+            last, runner_up = ranked[:, k - 1 : k], ranked[:, k : k + 1]
+            swapped = torch.where(index == last.to(index.dtype), runner_up.to(index.dtype), index)
+            delta = (experts.forward(hidden, swapped, weights) - output).float().reshape(index.shape[0], -1)
+            self._taken[("flip", layer)] = (delta.norm(dim=-1), delta.abs().amax(dim=-1))
 
         return hook
 
@@ -150,6 +218,19 @@ class Decoder:
         last = self._taken.pop(("last", 0))
         self._taken.clear()
         return aux, last
+
+    def route_scores(self, batch: int, length: int) -> dict[int, object]:
+        """The last kept forward's router scores per MoE layer, [B, T, E] float32 (device tensors); empty
+        unless built with routes=True."""
+        return {i: self._taken.pop(("route", i)).reshape(batch, length, -1) for i in self.routers}
+
+    def flip_sizes(self, batch: int, length: int) -> dict[int, tuple]:
+        """The last kept forward's flip sizes per MoE layer: (L2 norm, largest element) of the change in the
+        layer's expert output when each token's last chosen expert is swapped for the runner-up, [B, T]
+        float32 each (device tensors); empty unless built with flips=True. Call before route_scores."""
+        if not self.flips:
+            return {}
+        return {i: tuple(x.reshape(batch, length) for x in self._taken.pop(("flip", i))) for i in self.routers}
 
     def discard(self) -> None:
         self._taken.clear()

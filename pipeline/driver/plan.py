@@ -50,7 +50,9 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         raise PlanError(str(e)) from None
     cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus_available > 0)
     try:  # first: a family this engine cannot run is refused before anything of the model is read
-        known = support.check(model_lib.model_type(model_dir), cfg.engine.name, "cuda" if cuda else "cpu")
+        family = model_lib.model_type(model_dir)
+        known = support.check(family, cfg.engine.name, "cuda" if cuda else "cpu")
+        support.check_window(family, cfg.engine.name, model_lib.sliding_window(model_dir), cfg.extract.max_tokens)
     except support.Unsupported as e:
         raise PlanError(str(e)) from None
     except (OSError, ValueError) as e:

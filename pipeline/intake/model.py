@@ -121,6 +121,16 @@ def vocab_size(model_dir: Path) -> int | None:
     return int(value) if value is not None else None
 
 
+def sliding_window(model_dir: Path) -> int | None:
+    """The attention window config.json asks for (None: full attention). Qwen2/Qwen3 configs carry a
+    sliding_window they only use with use_sliding_window."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config") or config
+    if config.get("sliding_window") is None or config.get("use_sliding_window", True) is False:
+        return None
+    return int(config["sliding_window"])
+
+
 def model_type(model_dir: Path) -> str:
     """The text model's family, as config.json names it (`llama`, `gemma3_text`, ...)."""
     return str(_text_field(model_dir, "model_type") or "unknown")

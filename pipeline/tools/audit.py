@@ -29,7 +29,17 @@ from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import decode_row, list_shards, read_layout, shard_sample_ids
 from pipeline.format.storage import Store
 from pipeline.intake import model as model_lib
-from pipeline.tools.fidelity import DEFAULT_RULE, FINAL_DEPTH, FLOOR, Deviation, NoiseRule, as_float, upstream_noise
+from pipeline.tools.fidelity import (
+    DEFAULT_RULE,
+    FINAL_DEPTH,
+    FLOOR,
+    Deviation,
+    NoiseRule,
+    as_float,
+    near_tie_routes,
+    near_tie_tokens,
+    upstream_noise,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +68,22 @@ class LayerResult:
     worst_allowed: float
     sample_allowed: float
     passed: bool
+    near_ties: int = 0  # tokens at a MoE routing near tie, allowed more (pipeline/tools/fidelity.py)
+    peak_token: int = 0  # the token whose largest element is furthest past its allowance
+    peak_error: float = 0.0
+    peak_allowed: float = 0.0
 
     @property
     def ratio(self) -> float:
         """How many times a bf16 forward's distance this layer stands from float32 (its mean over tokens)."""
         return self.mean_error / max(self.noise_error, FLOOR)
+
+    @property
+    def excess(self) -> float:
+        """How many times its allowance the sample stands, by the criterion it is furthest on (> 1: failed)."""
+        parts = [(self.mean_error, self.sample_allowed), (self.worst_error, self.worst_allowed)]
+        parts.append((self.peak_error, self.peak_allowed))
+        return max(e / a if a > 0 else (float("inf") if e > 0 else 0.0) for e, a in parts)
 
     def why(self) -> str:
         return Deviation(
@@ -74,6 +95,10 @@ class LayerResult:
             self.worst_allowed,
             self.sample_allowed,
             self.passed,
+            self.near_ties,
+            self.peak_token,
+            self.peak_error,
+            self.peak_allowed,
         ).why()
 
 
@@ -102,7 +127,7 @@ class AuditReport:
             return None
         return max(
             self.failures or self.results,
-            key=lambda r: max(r.mean_error / r.sample_allowed, r.worst_error / r.worst_allowed),
+            key=lambda r: r.excess,
         )
 
     def per_layer(self) -> dict[str, dict]:
@@ -119,6 +144,7 @@ class AuditReport:
                     "max_abs_diff": 0.0,
                     "max_ratio": 0.0,
                     "failed": 0,
+                    "near_ties": 0,
                 },
             )
             d["tokens"] += r.tokens
@@ -129,6 +155,7 @@ class AuditReport:
             d["max_abs_diff"] = max(d["max_abs_diff"], r.max_abs_diff)
             d["max_ratio"] = max(d["max_ratio"], r.ratio)
             d["failed"] += not r.passed
+            d["near_ties"] += r.near_ties
         return {
             k: {
                 "tokens": d["tokens"],
@@ -139,6 +166,7 @@ class AuditReport:
                 "min_cosine": d["min_cosine"],
                 "max_abs_diff": d["max_abs_diff"],
                 "failed": d["failed"],
+                "routing_near_tie_tokens": d["near_ties"],
             }
             for k, d in out.items()
         }
@@ -173,10 +201,11 @@ class AuditReport:
             f"  final layer judged as stored: {self.final_layer.replace('_', '-')}",
         ]
         for layer, d in self.per_layer().items():
+            near_ties = d["routing_near_tie_tokens"]
             lines.append(
                 f"  {layer:>14}: distance {d['mean_error']:.4g} (bf16 forward {d['bf16_error']:.4g}), worst sample "
                 f"{d['max_ratio']:.2f}x, mean cosine {d['mean_cosine']:.6f}, min {d['min_cosine']:.5f} "
-                f"over {d['tokens']:,} tokens"
+                f"over {d['tokens']:,} tokens" + (f" ({near_ties:,} at MoE routing near ties)" if near_ties else "")
             )
         worst = self.worst()
         if self.ok:
@@ -211,12 +240,20 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def compare(
-    sample_id: str, layer: str, stored, truth, yardstick, rule: NoiseRule = DEFAULT_RULE, upstream=None
+    sample_id: str,
+    layer: str,
+    stored,
+    truth,
+    yardstick,
+    rule: NoiseRule = DEFAULT_RULE,
+    upstream=None,
+    near_ties=None,
 ) -> LayerResult:
     """stored [T, H] against the float32 truth and a bf16 forward of the same tokens (float64 math);
-    `upstream`: the yardsticks' per-token distances in the sample's shallower layers (fidelity.upstream_noise)."""
+    `upstream`: the yardsticks' per-token distances in the sample's shallower layers (fidelity.upstream_noise);
+    `near_ties`: tokens at a MoE routing near tie (fidelity.near_tie_tokens)."""
     a, b = as_float(stored), as_float(truth)
-    d = rule.judge(a, b, yardstick, upstream)
+    d = rule.judge(a, b, yardstick, upstream, near_ties)
     if a.shape != b.shape:
         return LayerResult(sample_id, layer, d.tokens, 0.0, 0.0, float("inf"), *_deviation_fields(d))
     cos = _cosines(a, b)
@@ -233,7 +270,19 @@ def compare(
 
 
 def _deviation_fields(d: Deviation) -> tuple:
-    return (d.mean_error, d.noise_error, d.worst_token, d.worst_error, d.worst_allowed, d.sample_allowed, d.passed)
+    return (
+        d.mean_error,
+        d.noise_error,
+        d.worst_token,
+        d.worst_error,
+        d.worst_allowed,
+        d.sample_allowed,
+        d.passed,
+        d.near_ties,
+        d.peak_token,
+        d.peak_error,
+        d.peak_allowed,
+    )
 
 
 # The truth, then the yardsticks: bf16 forwards of the same tokens with two attention kernels, whose
@@ -246,7 +295,8 @@ class Reference:
 
     It shares no code with the SGLang capture path (server, hook, dump, validation). `layers()` gives, per
     sequence, the K aux blocks then the final state, each [T, H] float32 numpy: the truth's, and for each
-    block a tuple of the yardsticks'."""
+    block a tuple of the yardsticks'. `samples()` adds, for a MoE model, the tokens whose expert choice at
+    each MoE layer is a near tie that bf16 may flip (fidelity.near_tie_routes)."""
 
     def __init__(
         self,
@@ -269,6 +319,8 @@ class Reference:
                 batch_tokens,
                 attn_implementation=attn,
                 final_layer=final_layer,
+                routes=True,
+                flips=dtype == "float32",  # the truth measures what a routing flip moves (fidelity.py)
             )
             for dtype, attn in REFERENCE_RUNS
         ]
@@ -289,15 +341,36 @@ class Reference:
         for r in self._runs:
             r.close()
 
+    @property
+    def routers(self) -> dict[int, int]:
+        """MoE layer -> its router's top-k, as found in the model (empty for a dense one)."""
+        return self._runs[0].routers
+
     def layers(self, sequences: list[list[int]]) -> list[tuple[list[np.ndarray], list[tuple[np.ndarray, ...]]]]:
         """[(truth blocks, yardstick blocks)] per sequence, in order."""
+        return [(truth, yards) for truth, yards, _ in self.samples(sequences)]
+
+    def samples(self, sequences: list[list[int]]) -> list[tuple[list, list, dict[int, tuple]]]:
+        """[(truth blocks, yardstick blocks, {MoE layer: ([T] bool the routing a near tie, what a flip moves
+        the token: L2 norm [T], largest element [T])})] per sequence (fidelity.near_tie_tokens)."""
         k = len(self.aux_layers)
-        truth, *yards = (r.states(sequences) for r in self._runs)
-        return [(_blocks(t, k), list(zip(*(_blocks(y, k) for y in ys)))) for t, *ys in zip(truth, *yards)]
+        truth, *yards = (r.states_and_routes(sequences) for r in self._runs)
+        top_k = self.routers
+        out = []
+        for t, *ys in zip(truth, *yards):
+            ties = {
+                i: (
+                    near_tie_routes(t[2][i].numpy(), [y[2][i].numpy() for y in ys], top_k[i]),
+                    *(x.numpy() for x in t[3][i]),
+                )
+                for i in top_k
+            }
+            out.append((_blocks(t, k), list(zip(*(_blocks(y, k) for y in ys))), ties))
+        return out
 
 
 def _blocks(state, k: int) -> list[np.ndarray]:
-    aux, last = state
+    aux, last = state[:2]
     h = last.shape[-1]
     return [aux[:, j * h : (j + 1) * h].numpy() for j in range(k)] + [last.numpy()]
 
@@ -347,29 +420,39 @@ def audit(
     final_layer = manifest["data_settings"].get("final_layer", "post_norm")
     report = AuditReport(store.display(), str(model_dir), device, rule, final_layer)
     chosen = pick_samples(store, samples, seed)
-    names = [f"aux layer {layer}" for layer in aux_layers] + ["final"]
     with Reference(model_dir, aux_layers, device, max_batch_tokens, final_layer) as reference:
         for rel, rows in chosen.items():
             with store.fs.open(store.path(rel), "rb") as f:
                 table = pq.read_table(f)
             meta = read_layout(table.schema)
             decoded = [decode_row(table, i, meta, as_torch=False, expand_last=False, final="stored") for i, _ in rows]
-            refs = reference.layers([d["input_ids"].tolist() for d in decoded])
-            for d, (truth, yard) in zip(decoded, refs):
-                sid = d["sample_id"]
-                report.samples.append(sid)
-                stored = _blocks_of(d, len(aux_layers), meta["hidden_size"])
-                # Over every token, before a masked final state drops the untrained ones.
-                ups = upstream_noise(truth, yard, [*aux_layers, FINAL_DEPTH])
-                if "last_hidden_state_positions" in d:  # masked outputs store the final state at trained positions only
-                    keep = d["last_hidden_state_positions"]
-                    truth[-1], yard[-1] = truth[-1][keep], tuple(y[keep] for y in yard[-1])
-                    ups[-1] = None if ups[-1] is None else ups[-1][keep]
-                for name, got, t, y, u in zip(names, stored, truth, yard, ups):
-                    report.results.append(compare(sid, name, got, t, y, rule, u))
+            refs = reference.samples([d["input_ids"].tolist() for d in decoded])
+            for d, ref in zip(decoded, refs):
+                report.samples.append(d["sample_id"])
+                report.results += judge_sample(d, ref, aux_layers, meta["hidden_size"], rule)
     report.seconds = time.monotonic() - t0
     store.write_bytes(AUDIT_REPORT, (json.dumps(report.to_json(), indent=2) + "\n").encode())
     return report
+
+
+def judge_sample(decoded: dict, reference, aux_layers, hidden_size: int, rule: NoiseRule = DEFAULT_RULE) -> list:
+    """One decoded sample (pipeline.format.shards.decode_row, final="stored") against its reference
+    (`Reference.samples`): a LayerResult per stored layer, the aux layers then the final."""
+    truth, yard, ties = reference
+    truth, yard = list(truth), list(yard)
+    names = [f"aux layer {layer}" for layer in aux_layers] + ["final"]
+    depths = [*aux_layers, FINAL_DEPTH]
+    stored = _blocks_of(decoded, len(aux_layers), hidden_size)
+    # Over every token, before a masked final state drops the untrained ones.
+    ups = upstream_noise(truth, yard, depths)
+    tied = [near_tie_tokens(ties, depth) for depth in depths]
+    if "last_hidden_state_positions" in decoded:  # masked outputs store the final state at trained positions only
+        keep = decoded["last_hidden_state_positions"]
+        truth[-1], yard[-1] = truth[-1][keep], tuple(y[keep] for y in yard[-1])
+        ups[-1] = None if ups[-1] is None else ups[-1][keep]
+        tied[-1] = None if tied[-1] is None else tied[-1].take(keep)
+    sid = decoded["sample_id"]
+    return [compare(sid, *args, rule, u, e) for *args, u, e in zip(names, stored, truth, yard, ups, tied)]
 
 
 def _blocks_of(decoded: dict, k: int, h: int) -> list[np.ndarray]:

@@ -14,10 +14,19 @@ the wrong scale. A stored layer passes when
   * its mean over the sample's tokens is within SAMPLE_FACTOR times the yardsticks' mean, and
   * every token is within TOKEN_FACTOR times the largest of the yardsticks' distances at that token (in
     this layer and, when the sample's shallower layers are judged with it, in those), and their mean over
-    the sample,
+    the sample, and
+  * every token's largest single-element deviation (max |got - ref| over the hidden dimension, over |ref|)
+    is within TOKEN_FACTOR times the yardsticks' largest at that token (or their mean over the sample),
+    widened by as much as the shallower layers widen the token's distance,
 
 each plus FLOOR, one bf16 unit roundoff (what storing a float32 value as bf16 costs on its own, so a
 float32 server stored as bf16 passes however exact the yardsticks happen to be).
+
+Why the largest element too: a relative L2 distance spreads one bad value over the whole hidden dimension. On a
+Qwen3-8B-shaped model (H 4096, 36 layers) bf16 forwards stand 0.055 from float32 at the final layer, and one
+value with its sign flipped moves a token by 2|x_max|/|x| ~ 0.12: within 8x the noise, so the distance alone
+passed it (bench/results/audit_8b_h200.json). bf16 noise is spread over every element, a corrupted value is
+not: its element stands tens of times past the yardsticks' largest.
 
 Why two yardsticks: how far one bf16 forward strays at a sensitive token is itself random, so one
 forward's distance at a token is a poor measure of how far another may stray there (SGLang's stood at
@@ -39,6 +48,20 @@ the largest yardstick distance at that token over this layer and the shallower o
 Re-measured with it (bench/results/noise_rule.json): the margins above are unchanged, as the worst healthy
 token sits in the shallowest layer and the least-caught corrupted value in the final one (a flipped
 outlier moves a token far beyond any drift it carries).
+
+Routing. In a mixture-of-experts layer a token goes to the top-k experts by its router's scores, and where
+the k-th and the (k+1)-th score are nearly tied, bf16 rounding can send it to another expert: a jump, not
+drift, and which way one bf16 forward jumps is a coin toss (Qwen3-MoE on SGLang's CPU mode: single tokens
+at up to 4.3x their allowance, every sample mean within 1.2x its yardsticks'). A token's choice at a MoE
+layer is a near tie when the float32 margin (k-th minus (k+1)-th score) is at most ROUTE_FACTOR times how
+far the yardsticks' scores stray from float32's at that token (their largest per-expert difference, or its
+mean over the sample where that is larger): one bf16 forward moves the margin by up to twice its stray,
+another may stray further. How far a flip there moves the token is measured, not guessed: the float32
+reference runs the layer's experts again with the token's last chosen expert swapped for the runner-up
+(actors/hf/decoder.py), and from that layer up the token's allowances grow by FLIP_FACTOR times that change
+(its L2 norm for the distance, its largest element for the largest-element criterion), over the token's
+norm (`NearTies`). The allowance grows by what a flip can do and no more, so a corrupted value at a
+near-tie token still fails; sample means are unchanged, so damage spread over a sample fails as before.
 """
 
 from __future__ import annotations
@@ -50,6 +73,8 @@ import numpy as np
 SAMPLE_FACTOR = 3.5
 TOKEN_FACTOR = 8.0
 FLOOR = 2.0**-8
+ROUTE_FACTOR = 4.0
+FLIP_FACTOR = 2.0
 FINAL_DEPTH = float("inf")  # the final state's place among layer ids, for `depths` below
 
 
@@ -73,6 +98,17 @@ def token_errors(got, ref) -> np.ndarray:
     return np.nan_to_num(err, nan=np.inf)
 
 
+def peak_errors(got, ref) -> np.ndarray:
+    """Per token the largest single-element deviation over the token's norm, max |got - ref| / |ref| ([T]);
+    inf where got is not finite."""
+    a, b = as_float(got), as_float(ref)
+    peak = np.abs(a - b).max(axis=-1) if a.shape[-1] else np.zeros(a.shape[0])
+    scale = np.linalg.norm(b, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(scale > 0, peak / scale, np.where(peak > 0, np.inf, 0.0))
+    return np.nan_to_num(out, nan=np.inf)
+
+
 def yardstick_distances(yardsticks, ref) -> tuple[np.ndarray, float]:
     """(per token the largest yardstick distance, the yardsticks' mean distance) to `ref`."""
     ys = yardsticks if isinstance(yardsticks, (list, tuple)) else [yardsticks]
@@ -94,17 +130,77 @@ def upstream_noise(refs, yardsticks, depths=None) -> list[np.ndarray | None]:
     return out
 
 
-def ratios(got, ref, yardsticks, upstream=None) -> tuple[float, float]:
-    """(sample mean distance / the yardsticks' mean, the worst token's distance / its allowance's base): the
-    two numbers the factors bound, without the floor. For measuring the rule's margins."""
+def near_tie_routes(truth, yardsticks, top_k: int, factor: float = ROUTE_FACTOR) -> np.ndarray:
+    """[T] bool: the tokens whose top-k expert choice at one router is a near tie that bf16 may flip. `truth`: the float32
+    forward's router scores [T, E]; `yardsticks`: the bf16 forwards' (one array or several)."""
+    t = as_float(truth)
+    if t.shape[0] == 0 or t.shape[-1] <= top_k:
+        return np.zeros(t.shape[0], dtype=bool)
+    ordered = -np.sort(-t, axis=-1)
+    margin = ordered[:, top_k - 1] - ordered[:, top_k]
+    ys = yardsticks if isinstance(yardsticks, (list, tuple)) else [yardsticks]
+    stray = np.max([np.abs(as_float(y) - t).max(axis=-1) for y in ys], axis=0)
+    return margin <= factor * np.maximum(stray, stray.mean())
+
+
+@dataclass(frozen=True)
+class NearTies:
+    """The tokens of one stored layer whose routing was a near tie at a MoE layer at or below it, and how far
+    flips there may move each (summed over those MoE layers, absolute: the L2 norm and the largest element
+    of the expert output's change)."""
+
+    tokens: np.ndarray  # [T] bool
+    move: np.ndarray  # [T]
+    peak: np.ndarray  # [T]
+
+    def take(self, keep) -> NearTies:
+        return NearTies(self.tokens[keep], self.move[keep], self.peak[keep])
+
+
+def near_tie_tokens(ties: dict, depth: float) -> NearTies | None:
+    """For a layer at `depth` (its layer id; FINAL_DEPTH for the final state): the tokens at a near tie at
+    some MoE layer at or below it (aux layer i is decoder layer i's output, so its own router counts), or
+    None. `ties`: MoE layer -> (`near_tie_routes` [T] bool, flip L2 norm [T], flip largest element [T])."""
+    below = [
+        (m, np.asarray(move, np.float64), np.asarray(peak, np.float64))
+        for layer, (m, move, peak) in ties.items()
+        if layer <= depth
+    ]
+    if not below or not any(m.any() for m, _, _ in below):
+        return None
+    tokens = np.logical_or.reduce([m for m, _, _ in below])
+    move = np.sum([np.where(m, mv, 0.0) for m, mv, _ in below], axis=0)
+    peak = np.sum([np.where(m, pk, 0.0) for m, _, pk in below], axis=0)
+    return NearTies(tokens, move, peak)
+
+
+def peak_base(yardsticks, ref, own, widened) -> np.ndarray:
+    """Per token, what the largest-element criterion multiplies by TOKEN_FACTOR: the yardsticks' largest
+    element deviation there (or its mean over the sample, where larger), widened by widened / own, the
+    ratio by which drift from shallower layers widened the token's distance allowance."""
+    ys = yardsticks if isinstance(yardsticks, (list, tuple)) else [yardsticks]
+    ypeak = np.max([peak_errors(y, ref) for y in ys], axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        widen = np.maximum(1.0, np.nan_to_num(widened / own, nan=1.0, posinf=1.0))
+    return np.maximum(ypeak, ypeak.mean()) * widen
+
+
+def ratios(got, ref, yardsticks, upstream=None) -> tuple[float, float, float]:
+    """(sample mean distance / the yardsticks' mean, the worst token's distance / its allowance's base, the
+    worst token's largest element / its base): the three numbers the factors bound, without the floor. For
+    measuring the rule's margins."""
     err = token_errors(got, ref)
     if err.size == 0:
-        return 0.0, 0.0
-    noise, mean = yardstick_distances(yardsticks, ref)
+        return 0.0, 0.0, 0.0
+    b = as_float(ref)
+    noise, mean = yardstick_distances(yardsticks, b)
+    own = np.maximum(noise, mean)
     if upstream is not None:
         noise = np.maximum(noise, upstream)
-    base = np.maximum(np.maximum(noise, mean), FLOOR)
-    return float(err.mean() / max(mean, FLOOR)), float((err / base).max())
+    widened = np.maximum(noise, mean)
+    base = np.maximum(widened, FLOOR)
+    pbase = np.maximum(peak_base(yardsticks, b, own, widened), FLOOR)
+    return float(err.mean() / max(mean, FLOOR)), float((err / base).max()), float((peak_errors(got, b) / pbase).max())
 
 
 @dataclass(frozen=True)
@@ -112,11 +208,14 @@ class NoiseRule:
     sample_factor: float = SAMPLE_FACTOR
     token_factor: float = TOKEN_FACTOR
     floor: float = FLOOR
+    route_factor: float = ROUTE_FACTOR
+    flip_factor: float = FLIP_FACTOR
 
-    def judge(self, got, ref, yardsticks, upstream=None) -> Deviation:
+    def judge(self, got, ref, yardsticks, upstream=None, near_ties=None) -> Deviation:
         """How far `got` is from the float32 truth `ref`, against how far bf16 forwards of the same tokens
         (`yardsticks`: one array or several) are; `upstream`: per token, their largest distance in the
-        sample's shallower layers (`upstream_noise`), which widens that token's allowance."""
+        sample's shallower layers (`upstream_noise`), which widens that token's allowance; `near_ties`: the
+        tokens whose MoE routing was a near tie (`near_tie_tokens`), allowed what a flip there can move them."""
         a, b = as_float(got), as_float(ref)
         if a.shape != b.shape:
             return Deviation(int(b.shape[0]) if b.ndim else 0, np.inf, 0.0, 0, np.inf, 0.0, np.inf, False)
@@ -124,29 +223,62 @@ class NoiseRule:
         if err.size == 0:
             return Deviation(0, 0.0, 0.0, 0, 0.0, self.floor, self.floor, True)
         noise, noise_mean = yardstick_distances(yardsticks, b)
+        own = np.maximum(noise, noise_mean)
         if upstream is not None:
             if len(upstream) != len(noise):
                 raise ValueError(f"upstream noise covers {len(upstream)} tokens, the layer {len(noise)}")
             noise = np.maximum(noise, upstream)
         allowed = self.token_factor * np.maximum(noise, noise_mean) + self.floor
+        # The largest element, against the yardsticks' largest: drift carried up from shallower layers widens
+        # it as it widens the distance (by the same ratio), since nothing says where in the vector it lands.
+        peak = peak_errors(a, b)
+        peak_allowed = self.token_factor * peak_base(yardsticks, b, own, np.maximum(noise, noise_mean)) + self.floor
+        ties = 0
+        if near_ties is not None:
+            if len(near_ties.tokens) != len(err):
+                raise ValueError(f"near ties cover {len(near_ties.tokens)} tokens, the layer {len(err)}")
+            ties = int(near_ties.tokens.sum())
+            scale = np.linalg.norm(b, axis=-1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                move = np.nan_to_num(near_ties.move / scale, nan=0.0, posinf=0.0)
+                peak_move = np.nan_to_num(near_ties.peak / scale, nan=0.0, posinf=0.0)
+            allowed = allowed + np.where(near_ties.tokens, self.flip_factor * move, 0.0)
+            peak_allowed = peak_allowed + np.where(near_ties.tokens, self.flip_factor * peak_move, 0.0)
         worst = int(np.argmax(err / allowed))
+        worst_peak = int(np.argmax(peak / peak_allowed))
         sample_allowed = self.sample_factor * noise_mean + self.floor
         mean = float(err.mean())
-        passed = mean <= sample_allowed and bool((err <= allowed).all())
+        passed = mean <= sample_allowed and bool((err <= allowed).all()) and bool((peak <= peak_allowed).all())
         return Deviation(
-            int(err.size), mean, noise_mean, worst, float(err[worst]), float(allowed[worst]), sample_allowed, passed
+            int(err.size),
+            mean,
+            noise_mean,
+            worst,
+            float(err[worst]),
+            float(allowed[worst]),
+            sample_allowed,
+            passed,
+            ties,
+            worst_peak,
+            float(peak[worst_peak]),
+            float(peak_allowed[worst_peak]),
         )
 
-    def judge_layers(self, gots, refs, yardsticks, depths=None) -> list[Deviation]:
+    def judge_layers(self, gots, refs, yardsticks, depths=None, near_ties=None) -> list[Deviation]:
         """Every stored layer of one sample (same tokens each), each token allowed the noise it carries up
-        from the shallower layers; `depths` as in `upstream_noise`."""
+        from the shallower layers; `depths` as in `upstream_noise`; `near_ties` as in `near_tie_tokens`."""
+        depths = list(range(len(refs))) if depths is None else list(depths)
         ups = upstream_noise(refs, yardsticks, depths)
-        return [self.judge(g, r, y, u) for g, r, y, u in zip(gots, refs, yardsticks, ups)]
+        ex = [near_tie_tokens(near_ties or {}, d) for d in depths]
+        return [self.judge(g, r, y, u, e) for g, r, y, u, e in zip(gots, refs, yardsticks, ups, ex)]
 
     def describe(self) -> str:
         return (
             f"relative L2 distance to float32 per token: sample mean <= {self.sample_factor} x bf16 forwards' + "
-            f"{self.floor:.4g}, each token <= {self.token_factor} x max(their distances there and in shallower layers, that mean) + {self.floor:.4g}"
+            f"{self.floor:.4g}, each token <= {self.token_factor} x max(their distances there and in shallower layers, that mean) + {self.floor:.4g}, "
+            f"and its largest element's deviation <= {self.token_factor} x theirs (widened alike) + {self.floor:.4g}; "
+            f"a token whose MoE routing margin is <= {self.route_factor} x the bf16 forwards' router error is allowed "
+            f"{self.flip_factor} x what swapping its last expert moves it, from that layer up"
         )
 
 
@@ -162,6 +294,10 @@ class Deviation:
     worst_allowed: float
     sample_allowed: float
     passed: bool
+    near_ties: int = 0  # tokens allowed what a routing flip moves them: their MoE routing was a near tie
+    peak_token: int = 0  # the token whose largest element is furthest past its allowance
+    peak_error: float = 0.0  # that element's deviation over the token's norm
+    peak_allowed: float = 0.0
 
     @property
     def sample_ratio(self) -> float:
@@ -176,7 +312,12 @@ class Deviation:
                 f"mean distance {self.mean_error:.4g} > allowed {self.sample_allowed:.4g} "
                 f"(bf16 forward: {self.noise_error:.4g})"
             )
-        return f"token {self.worst_token}: distance {self.worst_error:.4g} > allowed {self.worst_allowed:.4g}"
+        if self.worst_error > self.worst_allowed:
+            return f"token {self.worst_token}: distance {self.worst_error:.4g} > allowed {self.worst_allowed:.4g}"
+        return (
+            f"token {self.peak_token}: its largest element off by {self.peak_error:.4g} of the token's norm "
+            f"> allowed {self.peak_allowed:.4g}"
+        )
 
 
 DEFAULT_RULE = NoiseRule()

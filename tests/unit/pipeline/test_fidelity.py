@@ -47,16 +47,20 @@ def case(model_dir, text_ids):
 
 
 def test_healthy_captures_pass_with_margin(case):
-    worst_sample = worst_token = 0.0
+    worst_sample = worst_token = worst_peak = 0.0
     for key, (_, got, truth, yard, ups) in case.items():
         for j, (g, t, y, u) in enumerate(zip(got, truth, yard, ups)):
             d = DEFAULT_RULE.judge(g, t, y, u)
             assert d.passed, (key, j, d.why())
-            s, tok = ratios(g, t, y, u)
-            worst_sample, worst_token = max(worst_sample, s), max(worst_token, tok)
-    # The margin the factors are chosen for (fidelity.py): healthy data well inside both.
+            s, tok, peak = ratios(g, t, y, u)
+            worst_sample, worst_token, worst_peak = max(worst_sample, s), max(worst_token, tok), max(worst_peak, peak)
+    # The margin the factors are chosen for (fidelity.py): healthy data well inside every one.
     assert worst_sample * 2 <= DEFAULT_RULE.sample_factor and worst_token * 2 <= DEFAULT_RULE.token_factor
-    print(f"\nhealthy: worst sample {worst_sample:.2f}x its yardstick, worst token {worst_token:.2f}x its base")
+    assert worst_peak * 2 <= DEFAULT_RULE.token_factor
+    print(
+        f"\nhealthy: worst sample {worst_sample:.2f}x its yardstick, worst token {worst_token:.2f}x its base, "
+        f"worst largest element {worst_peak:.2f}x its base"
+    )
 
 
 def _fails(got, truth, yard, upstream) -> float:
@@ -158,3 +162,55 @@ def test_a_tokens_drift_in_shallower_layers_widens_its_allowance_deeper_and_only
     assert not DEFAULT_RULE.judge_layers([got[0], got[1], bad], truth, yard, depths)[2].passed
     with pytest.raises(ValueError, match="tokens"):
         DEFAULT_RULE.judge(truth[2], truth[2], yard[2], np.zeros(5))
+
+
+def test_routing_near_ties_allow_what_a_flip_moves_and_no_more_from_their_layer_up():
+    """A token whose top-2 choice among 4 experts is a near tie (margin within ROUTE_FACTOR x the yardsticks'
+    router error) at MoE layer 3 is allowed FLIP_FACTOR x what a flip there moves it at layers >= 3 only."""
+    from pipeline.tools.fidelity import FLIP_FACTOR, ROUTE_FACTOR, near_tie_routes, near_tie_tokens
+
+    scores = np.array([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.995, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    yard = scores + 0.002
+    yard[:, 1] -= 0.004  # the yardstick strays 0.004 at most on every token
+    ties = near_tie_routes(scores, [yard], top_k=2)
+    assert ties.tolist() == [False, True, True]  # margins 1.0, 0.005, 0.0 against 4 x 0.004
+    assert not near_tie_routes(scores, [yard], top_k=2, factor=1.0)[1]  # 0.005 > 1 x 0.004
+    assert not near_tie_routes(scores, [yard], top_k=4).any()  # every expert chosen: nothing to flip
+    move, peak = np.array([5.0, 0.4, 0.3]), np.array([1.0, 0.1, 0.05])
+    by_layer = {3: (ties, move, peak), 6: (np.zeros(3, bool), move, peak)}
+    assert near_tie_tokens(by_layer, 2) is None  # below the MoE layer
+    at3 = near_tie_tokens(by_layer, 3)
+    assert at3.tokens.tolist() == [False, True, True] and at3.move.tolist() == [0.0, 0.4, 0.3]
+    both = near_tie_tokens({3: (ties, move, peak), 5: (ties, move, peak)}, FINAL_DEPTH)
+    assert both.move.tolist() == [0.0, 0.8, 0.6] and both.peak.tolist() == [0.0, 0.2, 0.1]  # flips add up
+    assert near_tie_tokens({6: (np.zeros(3, bool), move, peak)}, FINAL_DEPTH) is None
+    assert near_tie_tokens(by_layer, 3).take([1]).tokens.tolist() == [True]
+
+    # The judge: token 1 moved by a dense change of 20x the noise; at a near tie whose flip moves it that far it
+    # passes, with a smaller flip it fails; a flipped sign of its largest element fails however dense the flip.
+    from pipeline.tools.fidelity import NearTies
+
+    rng = np.random.default_rng(2)
+    truth = rng.standard_normal((40, 32))
+    yards = truth * (1 + 0.002 * rng.standard_normal(truth.shape))
+    got = yards.copy()
+    jump = 0.002 * 20 * np.linalg.norm(truth[1]) * rng.standard_normal(32) / np.sqrt(32)
+    got[1] = truth[1] + jump
+    only_1 = np.arange(40) == 1
+
+    def tie(size):  # token 1 at a near tie whose flip moves it by `size` x the jump
+        move = np.where(only_1, size * np.linalg.norm(jump), 0.0)
+        return NearTies(only_1, move, np.where(only_1, size * np.abs(jump).max(), 0.0))
+
+    assert not DEFAULT_RULE.judge(got, truth, yards).passed
+    ok = DEFAULT_RULE.judge(got, truth, yards, near_ties=tie(1.0))
+    assert ok.passed and ok.near_ties == 1
+    assert not DEFAULT_RULE.judge(got, truth, yards, near_ties=tie(0.2)).passed
+    other = NearTies(~only_1, np.where(~only_1, 10.0, 0.0), np.where(~only_1, 10.0, 0.0))
+    assert not DEFAULT_RULE.judge(got, truth, yards, near_ties=other).passed  # other tokens' ties: no help
+    flipped = yards.copy()
+    c = int(np.argmax(np.abs(flipped[1])))
+    flipped[1, c] = -flipped[1, c]
+    assert DEFAULT_RULE.judge(yards, truth, yards, near_ties=tie(1.0)).passed
+    assert not DEFAULT_RULE.judge(flipped, truth, yards, near_ties=tie(1.0)).passed
+    assert ROUTE_FACTOR > 2 and FLIP_FACTOR >= 1  # one bf16 forward moves a margin by up to twice its stray

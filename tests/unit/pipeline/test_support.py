@@ -47,3 +47,24 @@ def test_an_unlisted_pair_is_not_checked_and_the_family_comes_from_the_text_conf
     from pipeline.intake.model import model_type
 
     assert model_type(tmp_path) == "gemma3_text"
+
+
+def test_a_model_class_without_sliding_windows_runs_only_where_no_sample_exceeds_the_window(tmp_path):
+    from pipeline.intake.model import sliding_window
+
+    support.check_window("mistral", "sglang", None, 8192)  # full attention: nothing to ignore
+    support.check_window("mistral", "sglang", 4096, 4096)  # no sample can be longer than the window
+    support.check_window("mistral", "hf", 64, 2048)  # transformers applies it
+    with pytest.raises(support.Unsupported) as e:
+        support.check_window("mistral", "sglang", 64, 2048)
+    msg = str(e.value)
+    assert "Mistral (mistral) with sliding_window=64 cannot run on engine sglang with extract.max_tokens=2048" in msg
+    assert "set extract.max_tokens <= 64 or engine.name=hf" in msg
+    for config, want in [
+        ({"model_type": "mistral", "sliding_window": 4096}, 4096),
+        ({"model_type": "mistral", "sliding_window": None}, None),
+        ({"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": False}, None),
+        ({"model_type": "x", "text_config": {"sliding_window": 512}}, 512),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert sliding_window(tmp_path) == want, config
