@@ -138,6 +138,8 @@ def main() -> None:
             "summary": [line for line in audit.stdout.splitlines() if line.strip()][-8:],
             "worst_sample_mean_over_allowed": round(max(r["mean_error"] / r["sample_allowed"] for r in rs), 3),
             "worst_token_over_allowed": round(max(r["worst_error"] / r["worst_allowed"] for r in rs), 3),
+            "worst_largest_element_over_allowed": round(max(r["peak_error"] / r["peak_allowed"] for r in rs), 3),
+            "worst_excess": round(max(r["excess"] for r in rs), 3),
             "min_cosine": round(min(r["min_cosine"] for r in rs), 5),
             "per_layer": report["per_layer"],
             "failures": report["failures"][:10],

@@ -1,5 +1,6 @@
 """The family checks of tests/e2e/test_families.py on a GPU: each family's tiny random-init model through the real
-job with the hf engine on CUDA, then `harvest audit --samples all --device cuda`; one JSON of what happened.
+job with the hf engine on CUDA, then `harvest audit --samples all --device cuda`, then each sample damaged four
+ways and judged against the same reference (tests/tests_support.damaged_samples_fail); one JSON of what happened.
 
   python bench/families_gpu.py --tokenizer DIR --work DIR [--families qwen3,gemma3_text,...]
                                [--json bench/results/families_h200.json]
@@ -70,9 +71,21 @@ def main() -> None:
             entry["audit"] = [line for line in audit.stdout.splitlines() if line.strip()][-8:]
             report = json.loads((out / "audit.json").read_text())
             entry["per_layer"] = {
-                k: {"worst_sample_ratio": round(v["max_ratio"], 3), "min_cosine": round(v["min_cosine"], 5)}
+                k: {
+                    "worst_sample_ratio": round(v["max_ratio"], 3),
+                    "min_cosine": round(v["min_cosine"], 5),
+                    "routing_near_tie_tokens": v.get("routing_near_tie_tokens", 0),
+                }
                 for k, v in report["per_layer"].items()
             }
+            entry["worst_excess"] = round(max(r["excess"] for r in report["results"]), 3)
+            try:
+                from tests_support import damaged_samples_fail
+
+                caught, routers = damaged_samples_fail(out, "cuda")
+                entry["damage"] = {"all_caught": True, "kinds": caught, "moe_layers": sorted(routers)}
+            except AssertionError as e:
+                entry["damage"] = {"all_caught": False, "error": str(e)[:1000]}
         else:
             entry["log_tail"] = (run.stderr or run.stdout)[-1500:]
         result["families"][family] = entry

@@ -188,8 +188,8 @@ class AuditReport:
             "samples": self.samples,
             "per_layer": self.per_layer(),
             "worst": {**vars(worst), "why": worst.why()} if worst else None,
-            "failures": [{**vars(r), "why": r.why()} for r in self.failures],
-            "results": [vars(r) for r in self.results],
+            "failures": [{**vars(r), "excess": r.excess, "why": r.why()} for r in self.failures],
+            "results": [{**vars(r), "excess": r.excess} for r in self.results],
             "seconds": round(self.seconds, 2),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
