@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--damage-samples", type=int, default=16, help="samples damaged (each four ways)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "audit_8b_h200.json")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -123,6 +124,12 @@ def main() -> None:
         *("--set", "engine.name=hf", "--set", "engine.device=cuda"),
     )
     result["run"] = {"rc": run.returncode, "seconds": round(time.monotonic() - t0, 1)}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every step: a run cut short keeps what it measured
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+    save()
     log(f"run rc {run.returncode}")
     if run.returncode != 0:
         result["run"]["log_tail"] = (run.stderr or run.stdout)[-3000:]
@@ -145,17 +152,17 @@ def main() -> None:
             "failures": report["failures"][:10],
         }
         log(f"audit rc {audit.returncode}")
+        save()
         t0 = time.monotonic()
         try:
             from tests_support import damaged_samples_fail
 
-            caught, _ = damaged_samples_fail(out, "cuda")
+            caught, _ = damaged_samples_fail(out, "cuda", max_samples=args.damage_samples)
             result["damage"] = {"all_caught": True, "kinds": caught}
         except AssertionError as e:
             result["damage"] = {"all_caught": False, "error": str(e)[:2000]}
         result["damage"]["seconds"] = round(time.monotonic() - t0, 1)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    save()
     print(
         json.dumps(
             {k: v for k, v in result.items() if k != "audit"}

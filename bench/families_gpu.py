@@ -90,8 +90,8 @@ def main() -> None:
             entry["log_tail"] = (run.stderr or run.stdout)[-1500:]
         result["families"][family] = entry
         print(family, {k: v for k, v in entry.items() if k != "audit"}, flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")  # after every family: a cut-short run keeps them
     print(json.dumps(result, indent=2))
 
 

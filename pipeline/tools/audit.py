@@ -36,6 +36,7 @@ from pipeline.tools.fidelity import (
     Deviation,
     NoiseRule,
     as_float,
+    flipped_routes,
     near_tie_routes,
     near_tie_tokens,
     upstream_noise,
@@ -352,19 +353,18 @@ class Reference:
 
     def samples(self, sequences: list[list[int]]) -> list[tuple[list, list, dict[int, tuple]]]:
         """[(truth blocks, yardstick blocks, {MoE layer: ([T] bool the routing a near tie, what a flip moves
-        the token: L2 norm [T], largest element [T])})] per sequence (fidelity.near_tie_tokens)."""
+        the token: L2 norm [T], largest element [T], per yardstick [T] bool where its routing flipped)})] per
+        sequence (fidelity.near_tie_tokens)."""
         k = len(self.aux_layers)
         truth, *yards = (r.states_and_routes(sequences) for r in self._runs)
         top_k = self.routers
         out = []
         for t, *ys in zip(truth, *yards):
-            ties = {
-                i: (
-                    near_tie_routes(t[2][i].numpy(), [y[2][i].numpy() for y in ys], top_k[i]),
-                    *(x.numpy() for x in t[3][i]),
-                )
-                for i in top_k
-            }
+            ties = {}
+            for i in top_k:
+                scores, yard_scores = t[2][i].numpy(), [y[2][i].numpy() for y in ys]
+                near = near_tie_routes(scores, yard_scores, top_k[i])
+                ties[i] = (near, *(x.numpy() for x in t[3][i]), flipped_routes(scores, yard_scores, top_k[i]))
             out.append((_blocks(t, k), list(zip(*(_blocks(y, k) for y in ys))), ties))
         return out
 
@@ -444,8 +444,8 @@ def judge_sample(decoded: dict, reference, aux_layers, hidden_size: int, rule: N
     depths = [*aux_layers, FINAL_DEPTH]
     stored = _blocks_of(decoded, len(aux_layers), hidden_size)
     # Over every token, before a masked final state drops the untrained ones.
-    ups = upstream_noise(truth, yard, depths)
     tied = [near_tie_tokens(ties, depth) for depth in depths]
+    ups = upstream_noise(truth, yard, depths, tied)
     if "last_hidden_state_positions" in decoded:  # masked outputs store the final state at trained positions only
         keep = decoded["last_hidden_state_positions"]
         truth[-1], yard[-1] = truth[-1][keep], tuple(y[keep] for y in yard[-1])
