@@ -25,6 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from families_gpu import _harvest  # noqa: E402  (the harvest CLI in a subprocess, as the family bench runs it)
 
 SHAPE = dict(
     hidden_size=4096,
@@ -83,12 +86,6 @@ def make_prompts(path: Path, tokenizer: Path, n: int, vocab: int) -> dict:
     path.write_text("\n".join(lines) + "\n")
     lengths = [len(json.loads(x)["input_ids"]) for x in lines]
     return {"count": len(lines), "real": len(real), "tokens": sum(lengths), "min": min(lengths), "max": max(lengths)}
-
-
-def _harvest(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def main() -> None:
