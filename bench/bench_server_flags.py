@@ -1,0 +1,125 @@
+"""Which server flags make a bare SGLang server fast or slow on short prompts (CPU), in one run: the same
+prompts sent to one server per variant, each at 4/8/16 in flight after a warm-up.
+
+  python bench/bench_server_flags.py [--prompts 120] [--variants plain,plain-kv,project,capture] [--windows 4,8,16]
+                                     [--out bench/results/server_flags_cpu.json]
+
+Prompts: log-uniform in 48-1,024 tokens (median ~220), windows of the shipped conversations' token stream.
+Variants (each a real `sglang.launch_server`; the CPU stand-in and env as actors/sglang/server.py gives them):
+  plain:     SGLang's defaults plus what CPU mode needs (--device cpu --attention-backend torch_native
+             --disable-cuda-graph) and --disable-radix-cache (a repeated prompt would return only its suffix)
+  plain-kv:  plain plus the project's KV sizing (--mem-fraction-static, --max-total-tokens)
+  project:   the project's bare spec (ServerSpec(capture=False), as bench/bench_throughput.py's baseline)
+  capture:   the job's server (aux capture, the hook; dumps are written and left unread)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_throughput import _send_all  # noqa: E402
+
+import actors.sglang.server as server_mod  # noqa: E402
+from actors.sglang.server import CPU_KV_TOKENS, CPU_MEM_FRACTION, ServerSpec, SGLangServer  # noqa: E402
+from pipeline.driver.plan import default_aux_layers  # noqa: E402
+from pipeline.intake.model import num_hidden_layers, prepare_default_model  # noqa: E402
+
+
+def prompts(model, n: int, seed: int = 0) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    stream: list[int] = []
+    for line in (ROOT / "conf" / "data" / "sample_conversations.jsonl").read_text().splitlines():
+        for m in json.loads(line).get("messages", []):
+            stream += tok(m.get("content") or "", add_special_tokens=False)["input_ids"]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = int(math.exp(rng.uniform(math.log(48), math.log(1024))))
+        start = rng.randrange(len(stream) - length)
+        out.append(stream[start : start + length])
+    return out
+
+
+def command_for(variant: str, model: Path):
+    project = server_mod.build_command
+
+    def build(spec, port):
+        if not variant.startswith("plain"):
+            return project(spec, port)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "--device", "cpu", "--attention-backend", "torch_native"]
+        cmd += ["--disable-cuda-graph", "--disable-radix-cache"]
+        if variant == "plain-kv":
+            cmd += ["--mem-fraction-static", CPU_MEM_FRACTION, "--max-total-tokens", str(CPU_KV_TOKENS)]
+        return cmd
+
+    return build
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=120)
+    ap.add_argument("--variants", default="plain,plain-kv,project,capture")
+    ap.add_argument("--windows", default="4,8,16", help="requests in flight, each swept")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "server_flags_cpu.json")
+    args = ap.parse_args()
+    model = prepare_default_model()
+    samples = prompts(model, args.prompts)
+    tokens = sum(map(len, samples))
+    lengths = sorted(map(len, samples))
+    result = {
+        "benchmark": "bare SGLang server on short prompts, one server per flag variant, the same prompts",
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": "python bench/bench_server_flags.py " + " ".join(sys.argv[1:]),
+        "prompts": {"count": len(samples), "tokens": tokens, "median": lengths[len(lengths) // 2]},
+        "variants": {},
+    }
+    aux = default_aux_layers(num_hidden_layers(model))
+    project_build = server_mod.build_command
+    for variant in args.variants.split(","):
+        server_mod.build_command = command_for(variant, model)
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                spec = ServerSpec(
+                    model_dir=model, aux_layers=tuple(aux), dump_dir=Path(d), capture=variant == "capture"
+                )
+                t0 = time.monotonic()
+                with SGLangServer(spec) as server:
+                    entry = {
+                        "startup_s": round(time.monotonic() - t0, 1),
+                        "flags": server_mod.build_command(spec, 0)[3:],
+                    }
+                    asyncio.run(_send_all(server.url, samples[:4], 4))  # warm-up
+                    for window in [int(w) for w in args.windows.split(",")]:
+                        entry[f"tok_s_at_{window}"] = round(
+                            tokens / asyncio.run(_send_all(server.url, samples, window)), 1
+                        )
+                        print(variant, window, entry[f"tok_s_at_{window}"], flush=True)
+        finally:
+            server_mod.build_command = project_build
+        entry["flags"] = [f for f in entry["flags"] if not f.startswith("/")]
+        result["variants"][variant] = entry
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
