@@ -109,10 +109,16 @@ def hidden_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["hidden_size"])
 
 
-def _text_field(model_dir: Path, key: str):
-    """A config.json field of the text model: a multimodal config keeps it in text_config, else at the top."""
+def _configs(model_dir: Path) -> tuple[dict, dict]:
+    """(the text model's config, config.json's top level): a multimodal config keeps the first in text_config."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return (config.get("text_config") or {}).get(key) or config.get(key)
+    return config.get("text_config") or config, config
+
+
+def _text_field(model_dir: Path, key: str):
+    """A config.json field of the text model, else the top level's."""
+    text, top = _configs(model_dir)
+    return text.get(key) or top.get(key)
 
 
 def vocab_size(model_dir: Path) -> int | None:
@@ -124,8 +130,7 @@ def vocab_size(model_dir: Path) -> int | None:
 def sliding_window(model_dir: Path) -> int | None:
     """The attention window config.json asks for (None: full attention). Qwen2/Qwen3 configs carry a
     sliding_window they only use with use_sliding_window."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config = config.get("text_config") or config
+    config, _ = _configs(model_dir)
     if config.get("sliding_window") is None or config.get("use_sliding_window", True) is False:
         return None
     return int(config["sliding_window"])

@@ -93,25 +93,25 @@ def as_float(x) -> np.ndarray:
     return x.astype(np.float64)
 
 
+def _over_ref_norm(diff: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Per-token `diff` [T] over |ref| per token; inf where diff is not finite or ref is zero and diff not."""
+    scale = np.linalg.norm(ref, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(scale > 0, diff / scale, np.where(diff > 0, np.inf, 0.0))
+    return np.nan_to_num(out, nan=np.inf)
+
+
 def token_errors(got, ref) -> np.ndarray:
     """Per-token relative L2 distance |got - ref| / |ref| (float64 [T]); inf where got is not finite."""
     a, b = as_float(got), as_float(ref)
-    diff = np.linalg.norm(a - b, axis=-1)
-    scale = np.linalg.norm(b, axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        err = np.where(scale > 0, diff / scale, np.where(diff > 0, np.inf, 0.0))
-    return np.nan_to_num(err, nan=np.inf)
+    return _over_ref_norm(np.linalg.norm(a - b, axis=-1), b)
 
 
 def peak_errors(got, ref) -> np.ndarray:
     """Per token the largest single-element deviation over the token's norm, max |got - ref| / |ref| ([T]);
     inf where got is not finite."""
     a, b = as_float(got), as_float(ref)
-    peak = np.abs(a - b).max(axis=-1) if a.shape[-1] else np.zeros(a.shape[0])
-    scale = np.linalg.norm(b, axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.where(scale > 0, peak / scale, np.where(peak > 0, np.inf, 0.0))
-    return np.nan_to_num(out, nan=np.inf)
+    return _over_ref_norm(np.abs(a - b).max(axis=-1) if a.shape[-1] else np.zeros(a.shape[0]), b)
 
 
 def _largest_unflipped(values: list, flipped=None) -> np.ndarray:
@@ -212,7 +212,7 @@ def flipped_routes(truth, yardsticks, top_k: int) -> tuple:
 
 
 def peak_base(yardsticks, ref, own, widened, flipped=None) -> np.ndarray:
-    """Per token, what the largest-element criterion multiplies by TOKEN_FACTOR: the yardsticks' largest
+    """Per token, what the largest-element criterion multiplies by PEAK_FACTOR: the yardsticks' largest
     element deviation there (or its mean over the sample, where larger), widened by widened / own, the
     ratio by which drift from shallower layers widened the token's distance allowance."""
     ys = yardsticks if isinstance(yardsticks, (list, tuple)) else [yardsticks]
@@ -246,7 +246,6 @@ class NoiseRule:
     token_factor: float = TOKEN_FACTOR
     floor: float = FLOOR
     peak_factor: float = PEAK_FACTOR
-    route_factor: float = ROUTE_FACTOR
     flip_factor: float = FLIP_FACTOR
 
     def judge(self, got, ref, yardsticks, upstream=None, near_ties=None) -> Deviation:
@@ -318,7 +317,7 @@ class NoiseRule:
             f"relative L2 distance to float32 per token: sample mean <= {self.sample_factor} x bf16 forwards' + "
             f"{self.floor:.4g}, each token <= {self.token_factor} x max(their distances there and in shallower layers, that mean) + {self.floor:.4g}, "
             f"and its largest element's deviation <= {self.peak_factor} x theirs (widened alike) + {self.floor:.4g}; "
-            f"a token whose MoE routing margin is <= {self.route_factor} x the bf16 forwards' router error is allowed "
+            f"a token whose MoE routing margin is <= {ROUTE_FACTOR} x the bf16 forwards' router error is allowed "
             f"{self.flip_factor} x what swapping its last expert moves it, from that layer up"
         )
 
