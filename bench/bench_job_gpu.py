@@ -1,17 +1,21 @@
 """The whole job on GPUs against the bare engine, in one run (the hf engine: SGLang does not run everywhere).
 
-  python bench/bench_job_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b|tiny] [--prompts 1000]
-                                [--min-len 128] [--max-len 2048] [--batch-tokens 8192,16384,32768]
+  python bench/bench_job_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b|qwen3-8b|tiny] [--prompts 1000]
+                                [--min-len 128] [--max-len 2048] [--lengths uniform|loguniform]
+                                [--batch-tokens 8192,16384,32768] [--passes 2]
                                 [--actors 1,2,1@TMPFS_DIR] [--disk-test-gb 8] [--variant NAME:KEY=VAL,...]
-                                [--device cuda|cpu] [--engine-defaults]
+                                [--device cuda|cpu] [--engine-defaults] [--replay] [--gil-profile PY_SPY]
                                 [--out bench/results/job_gpu.json]
 
-1. A random-init model of the requested shape (8b: Llama-3-8B, H=4096, 32 layers, GQA 32/8, MLP 14336) with
-   the default model's tokenizer, saved as a normal HF model directory (bf16 safetensors).
-2. N pre-tokenized prompts, lengths uniform in [min-len, max-len] (fixed seed), written as `{"id", "input_ids"}`.
+1. A random-init model of the requested shape (8b: Llama-3-8B, H=4096, 32 layers, GQA 32/8, MLP 14336;
+   qwen3-8b: Qwen3-8B, H=4096, 36 layers, GQA 32/8, MLP 12288, QK-norm) with the default model's tokenizer,
+   saved as a normal HF model directory (bf16 safetensors).
+2. N pre-tokenized prompts, lengths uniform (or log-uniform: most prompts short, most tokens in long ones) in
+   [min-len, max-len] (fixed seed), written as `{"id", "input_ids"}`.
 3. bare: bench/bare_hf.BareHFEngine (the hf engine, nothing kept) on the same prompts, every prompt submitted at once (so
-   its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens; the baseline
-   is the best.
+   its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens, best of
+   --passes passes over the same prompts; the baseline is the best of all. Beside each rate: the device's
+   microseconds per padded token (its forwards' own clock), the number to set against the job's.
 4. job: `python -m pipeline.cli run` with engine.name=hf, the best max_batch_tokens, num_actors = each of
    --actors (one GPU each; `N@DIR` puts that run's output under DIR instead of --work), the output on local
    disk; then `harvest verify` on it; the output is then removed. Scaling compares runs with the same DIR.
@@ -23,6 +27,12 @@ excluded, every batch included). The end-to-end and steady (first to last commit
 the steady rate misleads when a few large batches are all in flight at once (they all land at the end).
 Each run's `window` splits that span per actor with the engine's own clock (before the first forward, the
 forwards' span, after the last results); `--variant NAME:KEY=VAL,...` adds one-actor runs with other settings.
+6. --replay: the first job's forwards (their exact batches, from the engine's forward log) run again on the
+   bare engine in this process: the same shapes without the actor around them, so a per-token gap can be
+   told apart into the job's batch composition and what the actor's process does to its forwards.
+7. --gil-profile PY_SPY: py-spy samples which thread of the first job's actor holds the interpreter lock
+   while its forwards run (`--gil --nonblocking`: the actor is never paused); the share of wall time per
+   role (forward thread, finisher, extractor calls, encoders, Ray) and each role's hottest frames.
 """
 
 from __future__ import annotations
@@ -46,6 +56,14 @@ SHAPES = {
     "8b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
     ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
     "tiny": dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
     ),
@@ -58,13 +76,16 @@ def log(msg: str) -> None:
 
 def make_model(work: Path, shape: str, tokenizer: Path, device: str) -> Path:
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out = work / f"model-{shape}"
     if (out / "config.json").is_file():
         return out
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    cfg = LlamaConfig(
+    config_class, model_class = (
+        (Qwen3Config, Qwen3ForCausalLM) if shape.startswith("qwen3") else (LlamaConfig, LlamaForCausalLM)
+    )
+    cfg = config_class(
         vocab_size=len(tok),
         max_position_embeddings=8192,
         rope_theta=500000.0,
@@ -76,7 +97,7 @@ def make_model(work: Path, shape: str, tokenizer: Path, device: str) -> Path:
     t0 = time.monotonic()
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = model_class(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     del model
@@ -86,11 +107,26 @@ def make_model(work: Path, shape: str, tokenizer: Path, device: str) -> Path:
     return out
 
 
-def make_prompts(work: Path, n: int, lo: int, hi: int, vocab: int) -> tuple[Path, list[list[int]]]:
+def prompt_lengths(rng, n: int, lo: int, hi: int, dist: str) -> list[int]:
+    """uniform: every length in [lo, hi] alike; loguniform: log-length uniform (most prompts short, most tokens
+    in the long ones, as in chat data with a few documents)."""
+    import math
+
+    if dist == "loguniform":
+        return [int(round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) for _ in range(n)]
+    return [int(rng.integers(lo, hi + 1)) for _ in range(n)]
+
+
+def make_prompts(
+    work: Path, n: int, lo: int, hi: int, vocab: int, dist: str = "uniform"
+) -> tuple[Path, list[list[int]]]:
     import numpy as np
 
     rng = np.random.default_rng(1234)
-    prompts = [rng.integers(100, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+    if dist == "uniform":  # the draws of the runs recorded before log-uniform lengths existed
+        prompts = [rng.integers(100, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+    else:
+        prompts = [rng.integers(100, vocab, size=k).tolist() for k in prompt_lengths(rng, n, lo, hi, dist)]
     path = work / "prompts.jsonl"
     with path.open("w") as f:
         for i, ids in enumerate(prompts):
@@ -98,7 +134,13 @@ def make_prompts(work: Path, n: int, lo: int, hi: int, vocab: int) -> tuple[Path
     return path, prompts
 
 
-def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: str) -> dict:
+def us_per_padded_token(engine_stats: dict) -> float | None:
+    """The device's own microseconds per padded token over a run's forwards (first layer to final norm)."""
+    dev, padded = engine_stats.get("device_forward_s"), engine_stats.get("padded_tokens")
+    return round(1e6 * dev / padded, 2) if dev and padded else None
+
+
+def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: str, passes: int = 1) -> dict:
     from bench.bare_hf import BareHFEngine
     from pipeline.driver.plan import default_aux_layers
     from pipeline.intake.model import num_hidden_layers
@@ -106,30 +148,39 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
     aux = default_aux_layers(num_hidden_layers(model_dir))
     eng = BareHFEngine(str(model_dir), aux, device=device, max_batch_tokens=max(sweep)).start()
     tokens = sum(len(p) for p in prompts)
-    rates, stats = {}, {}
+    rates, stats, every = {}, {}, {}
     try:
         eng.capture([(f"w{i}", p) for i, p in enumerate(prompts[:64])])  # warm-up: kernels, allocator
         for b in sweep:
             eng.max_batch_tokens = b
-            eng.reset_stats()
-            t0 = time.monotonic()
-            res = eng.capture([(f"p{i}", p) for i, p in enumerate(prompts)])
-            dt = time.monotonic() - t0
-            stats[b] = eng.stats()  # the device's own seconds, to set against the job's (per_actor.engine)
-            errors = [r.error for r in res.values() if r.error]
-            if errors:
-                raise RuntimeError(f"bare run failed: {errors[:3]}")
-            rates[b] = tokens / dt
-            log(
-                f"bare max_batch_tokens={b}: {rates[b]:,.0f} tok/s ({dt:.1f}s, padding {eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f})"
-            )
+            for k in range(passes):  # the same prompts again: the engine at its best, not its first pass
+                eng.reset_stats()
+                t0 = time.monotonic()
+                res = eng.capture([(f"p{i}", p) for i, p in enumerate(prompts)])
+                dt = time.monotonic() - t0
+                errors = [r.error for r in res.values() if r.error]
+                if errors:
+                    raise RuntimeError(f"bare run failed: {errors[:3]}")
+                s = eng.stats()  # the device's own seconds, to set against the job's (per_actor.engine)
+                every.setdefault(str(b), []).append(
+                    {"tok_s": round(tokens / dt, 1), "us_per_padded_token": us_per_padded_token(s)}
+                )
+                if tokens / dt > rates.get(b, 0.0):
+                    rates[b], stats[b] = tokens / dt, s
+                log(
+                    f"bare max_batch_tokens={b} pass {k + 1}: {tokens / dt:,.0f} tok/s ({dt:.1f}s, padding "
+                    f"{eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f}, {us_per_padded_token(s)} us per padded token, "
+                    f"layer excess {s.get('device_layer_excess_s')} s)"
+                )
     finally:
         eng.close()
     best = max(rates, key=rates.get)
     return {
         "tok_s_by_max_batch_tokens": {str(k): round(v, 1) for k, v in rates.items()},
+        "passes": every,
         "best_max_batch_tokens": best,
         "tok_s": round(rates[best], 1),
+        "us_per_padded_token": us_per_padded_token(stats[best]),
         "tokens": tokens,
         "aux_layers": list(aux),
         "engine": stats[best],
@@ -206,8 +257,15 @@ def job(
     batch_size: int | None,
     batches_per_actor: int | None,
     extra_sets: tuple[str, ...] = (),
+    max_tokens: int = 4096,
+    forward_log: Path | None = None,
+    gil_profile: tuple[str, Path] | None = None,
+    verify: bool = True,
 ) -> dict:
-    """One `harvest run`; a setting passed as None is left to the engine's own default for the device."""
+    """One `harvest run`; a setting passed as None is left to the engine's own default for the device.
+
+    forward_log: each engine's forwards are logged there (actors/hf/engine.py, HIDDEN_HARVEST_FORWARD_LOG);
+    gil_profile: (py-spy, where its samples go): which actor thread holds the interpreter lock meanwhile."""
     out = work / f"out-{actors}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
@@ -224,16 +282,28 @@ def job(
         "engine.name=hf",
         f"engine.device={device}",
         *(f"{k}={v}" for k, v in chosen.items() if v is not None),
-        "extract.max_tokens=4096",
+        f"extract.max_tokens={max_tokens}",
         "progress.interval_s=5",
         *extra_sets,
     ]
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [
         a for s in sets for a in ("--set", s)
     ]
+    env = dict(os.environ)
+    if forward_log is not None:
+        shutil.rmtree(forward_log, ignore_errors=True)
+        forward_log.mkdir(parents=True)
+        env["HIDDEN_HARVEST_FORWARD_LOG"] = str(forward_log)
+    profiler = None
+    if gil_profile is not None and forward_log is not None:
+        from bench.gil_profile import GilProfile
+
+        profiler = GilProfile(gil_profile[0], gil_profile[1], forward_log)
+        profiler.start()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
+    gil = profiler.result() if profiler is not None else None
     tail = (proc.stdout + proc.stderr)[-3000:]
     if proc.returncode != 0:
         log(f"job failed ({proc.returncode}):\n{tail}")
@@ -241,8 +311,12 @@ def job(
     manifest = json.loads((out / "manifest.json").read_text())
     lr, totals = manifest["last_run"], manifest["totals"]
     t1 = time.monotonic()
-    ver = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "verify", str(out)], cwd=ROOT, capture_output=True, text=True
+    ver = (
+        subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "verify", str(out)], cwd=ROOT, capture_output=True, text=True
+        )
+        if verify
+        else None
     )
     verify_s = time.monotonic() - t1
     result = {
@@ -264,16 +338,128 @@ def job(
         "bytes": totals["bytes"],
         "shards": totals["shards"],
         "exactly_once": totals["samples_ok"] == totals["input_rows"] and totals["accounted"] == totals["input_rows"],
-        "verify_passed": ver.returncode == 0,
+        "verify_passed": None if ver is None else ver.returncode == 0,
         "verify_seconds": round(verify_s, 1),
-        "verify_tail": ver.stdout[-600:],
+        "verify_tail": "" if ver is None else ver.stdout[-600:],
     }
+    engines = [a.get("engine") or {} for a in (lr.get("per_actor") or {}).values()]
+    result["us_per_padded_token"] = [us_per_padded_token(e) for e in engines]
+    if forward_log is not None:
+        result["forwards"] = forward_summary(read_forward_log(forward_log))
+    if gil is not None:
+        result["gil"] = gil
     log(
         f"job actors={actors} under {work}: {result['tok_s']:,.0f} tok/s after engine start, end to end {result['tok_s_end_to_end']:,.0f}; "
-        f"{totals['samples_ok']} ok {totals['errors']} errors; verify {'passed' if result['verify_passed'] else 'FAILED'}"
+        f"{totals['samples_ok']} ok {totals['errors']} errors; verify {result['verify_passed']}; "
+        f"us per padded token {result['us_per_padded_token']}; layer excess {[e.get('device_layer_excess_s') for e in engines]} s"
     )
     shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+def read_forward_log(log_dir: Path) -> list[dict]:
+    """The forwards an engine logged after its last counter reset (its warm-up comes before it)."""
+    rows: list[dict] = []
+    for path in sorted(log_dir.glob("forwards-*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("reset"):
+                rows = [r for r in rows if r.get("_file") != path.name]
+            else:
+                rows.append(rec | {"_file": path.name})
+    return rows
+
+
+def forward_summary(rows: list[dict]) -> dict:
+    """Device seconds, padded tokens and where the device waited, over logged forwards; by forward size too."""
+    if not rows:
+        return {}
+
+    def agg(part: list[dict]) -> dict:
+        padded = sum(r["rows"] * r["t"] for r in part)
+        dev = sum(r["device_ms"] for r in part) / 1000
+        return {
+            "forwards": len(part),
+            "padded_tokens": padded,
+            "real_tokens": sum(sum(r["lengths"]) for r in part),
+            "device_s": round(dev, 3),
+            "us_per_padded_token": round(1e6 * dev / max(padded, 1), 2),
+            "layer_excess_s": round(sum(r["layer_excess_ms"] for r in part) / 1000, 3),
+            "host_launch_s": round(sum(r["host_ms"] for r in part) / 1000, 3),
+            "lead_under_a_layer": sum(r["lead_under_a_layer"] for r in part),
+            "forwards_with_lead_under_a_layer": sum(1 for r in part if r["lead_under_a_layer"]),
+        }
+
+    out = agg(rows)
+    # Forwards whose host launch overlapped a batch's pinned allocation on the finisher thread, and the rest:
+    # where the allocation holds up the launches, the first group's layers wait longer.
+    allocs = [
+        (r["pin_alloc_unix"], r["pin_alloc_unix"] + r["pin_alloc_ms"] / 1000) for r in rows if r.get("pin_alloc_ms")
+    ]
+
+    def overlaps(r: dict) -> bool:
+        a, b = r["host_start_unix"], r["host_start_unix"] + r["host_ms"] / 1000
+        return any(x < b and y > a for x, y in allocs)
+
+    if allocs and all("host_start_unix" in r for r in rows):
+        out["launch_overlapped_pin_alloc"] = agg([r for r in rows if overlaps(r)]) if any(map(overlaps, rows)) else {}
+        out["launch_clear_of_pin_alloc"] = agg([r for r in rows if not overlaps(r)])
+    sizes = {"<4k": [], "4k-8k": [], "8k-12k": [], ">=12k": []}
+    for r in rows:
+        n = r["rows"] * r["t"]
+        sizes["<4k" if n < 4096 else "4k-8k" if n < 8192 else "8k-12k" if n < 12288 else ">=12k"].append(r)
+    out["by_padded_tokens"] = {k: agg(v) for k, v in sizes.items() if v}
+    return out
+
+
+def replay(model_dir: Path, rows: list[dict], device: str, aux: list[int], passes: int = 1) -> dict:
+    """The logged forwards again, batch for batch, on the bare engine in this process."""
+    import numpy as np
+
+    from bench.bare_hf import BareHFEngine
+
+    groups = [r["lengths"] for r in rows]
+
+    class Replay(BareHFEngine):
+        def _take(self, pool):
+            # The next logged forward's requests, as the job's engine took them.
+            want = f"f{self.next_group}-"
+            batch = [r for r in pool if r.key.startswith(want)]
+            pool[:] = [r for r in pool if not r.key.startswith(want)]
+            self.next_group += 1
+            return sorted(batch, key=lambda r: -len(r.ids))
+
+    rng = np.random.default_rng(7)
+    max_tokens = max(r["rows"] * r["t"] for r in rows)
+    eng = Replay(str(model_dir), tuple(aux), device=device, max_batch_tokens=max_tokens).start()
+    out = []
+    try:
+        for _ in range(passes):
+            eng.reset_stats()
+            eng.next_group = 0
+            with eng._cv:  # all queued before the worker takes the first
+                futures = [
+                    eng.submit(f"f{j}-{i}", rng.integers(100, eng.vocab_size, size=n).tolist())
+                    for j, g in enumerate(groups)
+                    for i, n in enumerate(g)
+                ]
+            for f in futures:
+                f.result()
+            s = eng.stats()
+            out.append(
+                {
+                    "forwards": s["forwards"],
+                    "padded_tokens": s["padded_tokens"],
+                    "device_forward_s": s.get("device_forward_s"),
+                    "us_per_padded_token": us_per_padded_token(s),
+                    "layer_excess_s": s.get("device_layer_excess_s"),
+                    "lead_under_a_layer": s.get("lead_under_a_layer"),
+                }
+            )
+            log(f"replay of the job's {len(groups)} forwards: {out[-1]}")
+    finally:
+        eng.close()
+    return {"passes": out}
 
 
 def window(last_run: dict) -> dict:
@@ -295,6 +481,9 @@ def window(last_run: dict) -> dict:
             "after_last_results_s": round(end - last, 3),
             "padding": round(e["padded_tokens"] / max(e["real_tokens"], 1) - 1, 4),
             "forwards": e.get("forwards"),
+            "us_per_padded_token": us_per_padded_token(e),
+            "device_layer_excess_s": e.get("device_layer_excess_s"),
+            "lead_under_a_layer": e.get("lead_under_a_layer"),
         }
     return out
 
@@ -307,6 +496,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1000)
     ap.add_argument("--min-len", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--lengths", choices=("uniform", "loguniform"), default="uniform")
+    ap.add_argument("--passes", type=int, default=2, help="bare engine: best of this many passes per max_batch_tokens")
+    ap.add_argument("--replay", action="store_true", help="replay the first job's forwards on the bare engine")
+    ap.add_argument("--gil-profile", metavar="PY_SPY", help="py-spy: which actor thread holds the GIL (first job)")
+    ap.add_argument("--no-verify", action="store_true", help="skip harvest verify after each job")
     ap.add_argument("--batch-tokens", default="8192,16384,32768")
     # Unset: the hf engine's own defaults for the device (conf/schema.py HFEngineConfig: on a GPU 16 batches
     # of 128, whose pool it fills each forward from).
@@ -339,7 +533,7 @@ def main() -> None:
         machine = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     model_dir = make_model(args.work, args.shape, args.tokenizer, args.device)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompts_path, prompts = make_prompts(args.work, args.prompts, args.min_len, args.max_len, vocab)
+    prompts_path, prompts = make_prompts(args.work, args.prompts, args.min_len, args.max_len, vocab, args.lengths)
     result = {
         "benchmark": "whole job (Ray Data, hf engine actors, validation, committed shards, verify) vs bare engine prefill",
         "machine": machine,
@@ -353,6 +547,7 @@ def main() -> None:
             "count": args.prompts,
             "min_len": args.min_len,
             "max_len": args.max_len,
+            "lengths": args.lengths,
             "tokens": sum(map(len, prompts)),
         },
         "job": [],
@@ -371,15 +566,18 @@ def main() -> None:
     if args.disk_test_gb:
         result["disk"] = {str(root): disk_rate(root, args.disk_test_gb) for root in dict.fromkeys(r[1] for r in runs)}
         save()
-    result["bare"] = base = bare(model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device)
+    result["bare"] = base = bare(
+        model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device, args.passes
+    )
     save()
     if args.engine_only:
         result["engine_only"] = engine_only(
             model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"]
         )
         save()
-    for actors, root, variant, extra in runs:
+    for n, (actors, root, variant, extra) in enumerate(runs):
         batch_tokens = None if args.engine_defaults else base["best_max_batch_tokens"]
+        log_dir = args.work / f"forward-log-{n}"
         r = job(
             root,
             model_dir,
@@ -390,11 +588,21 @@ def main() -> None:
             args.batch_size,
             args.batches_per_actor,
             extra,
+            max_tokens=max(4096, args.max_len),
+            forward_log=log_dir,
+            gil_profile=(args.gil_profile, args.out.parent / "gil_profile.txt")
+            if args.gil_profile and n == 0
+            else None,
+            verify=not args.no_verify,
         )
+        if args.replay and n == 0 and not r.get("failed"):
+            r["replay"] = replay(model_dir, read_forward_log(log_dir), args.device, base["aux_layers"])
+            save()
         if variant:
             r["variant"] = variant
         if not r.get("failed"):
             r["ratio_vs_bare"] = round(r["tok_s"] / base["tok_s"], 3)
+            r["bare_us_per_padded_token"] = base["us_per_padded_token"]
             r["ratio_vs_bare_end_to_end"] = round(r["tok_s_end_to_end"] / base["tok_s"], 3)
             same_root = [
                 x
@@ -420,6 +628,7 @@ def main() -> None:
                             "output_root",
                             "tok_s",
                             "ratio_vs_bare",
+                            "us_per_padded_token",
                             "scaling",
                             "verify_passed",
                             "exactly_once",

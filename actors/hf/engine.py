@@ -25,13 +25,20 @@ the same code for both engines. One worker thread owns the model:
 Float states without the capture format (the audit's reference) are actors/hf/reference.py's.
 `stats()` says where the worker threads' time went (idle, forward, staging, waiting on copies) and, on
 CUDA, the device's own (its forwards, the staging, the time between batches); it is logged when the
-engine closes.
+engine closes. Inside a forward the device clock reads every decoder layer's start: every layer of a
+uniform stack does the same work, so the seconds its layers ran beyond the forward's median layer are
+the device waiting inside the forward (on the host's kernel launches, a sync, the allocator), and the
+layers whose start the device had already passed when the host reached the next one say the host was
+less than a layer ahead (`lead_under_a_layer`). With HIDDEN_HARVEST_FORWARD_LOG set to a directory, each
+forward's shape and clock go to a JSON-lines file there (one per process), for benchmarks to replay.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -75,6 +82,20 @@ class _Staged:
 def _ids_sha256(ids: np.ndarray) -> str:
     # The same digest the SGLang hook publishes: sha256 over the int32 ids the forward really ran.
     return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest()
+
+
+FORWARD_LOG_ENV = "HIDDEN_HARVEST_FORWARD_LOG"
+
+
+def layer_excess_ms(layers: list, norm) -> float:
+    """Device milliseconds a forward's layers ran beyond its median layer's time, from the events recorded
+    at each layer's start and at the final norm: every layer of a uniform stack does the same work, so this
+    is time the device spent waiting inside the forward (for MoE stacks with dense layers it also holds
+    their real difference)."""
+    if not layers:
+        return 0.0
+    ms = [a.elapsed_time(b) for a, b in zip(layers, [*layers[1:], norm])]
+    return sum(ms) - len(ms) * float(np.median(ms))
 
 
 class HFEngine:
@@ -163,7 +184,10 @@ class HFEngine:
         # layer to final norm), the capture's staging after them, and what lies between one batch's staging
         # and the next forward's first layer: the device waiting on the host, or with no work (idle).
         if device.startswith("cuda"):
-            self.timing.update(device_forward=0.0, device_stage=0.0, device_between=0.0)
+            self.timing.update(device_forward=0.0, device_stage=0.0, device_between=0.0, device_layer_excess=0.0)
+        # Layers whose start the device had passed before the host began launching the next layer (CUDA).
+        self.lead_under_a_layer = 0
+        self._forward_log = None  # an open file where HIDDEN_HARVEST_FORWARD_LOG asks for one (CUDA)
         # Wall clock of the first forward's start and of the last batch's results: with the job's own clock
         # they split a run into waiting for work, the device's span and what came after it.
         self.first_forward_unix: float | None = None
@@ -184,8 +208,15 @@ class HFEngine:
             self._stager = TritonStager.checked(self.device) or stage_torch
             self._marks: dict = {}
             self._prev_end = None
-            self._hooks.append(self.decoder.layers[0].register_forward_pre_hook(self._mark("first_layer")))
+            self._hooks += [
+                layer.register_forward_pre_hook(self._layer_mark(i)) for i, layer in enumerate(self.decoder.layers)
+            ]
             self._hooks.append(self.decoder.norm.register_forward_hook(self._mark("norm")))
+            log_dir = os.environ.get(FORWARD_LOG_ENV)
+            if log_dir:
+                path = os.path.join(log_dir, f"forwards-{os.getpid()}-{id(self):x}.jsonl")
+                self._forward_log = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+                logger.info("hf engine: each forward's shape and device clock go to %s", path)
             self._copy_stream = torch.cuda.Stream()
             self._finisher = threading.Thread(target=self._finish_loop, name="hf-engine-finish", daemon=True)
             self._finisher.start()
@@ -243,10 +274,12 @@ class HFEngine:
 
     def reset_stats(self) -> None:
         """Counters from zero (after a warm-up); call with no request in flight."""
-        self.batches = self.padded_tokens = self.real_tokens = 0
+        self.batches = self.padded_tokens = self.real_tokens = self.lead_under_a_layer = 0
         self.timing = dict.fromkeys(self.timing, 0.0)
         self.first_forward_unix = self.last_done_unix = None
         self._prev_end = None
+        if self._forward_log is not None:  # readers keep the forwards after the last reset (not the warm-up)
+            self._forward_log.write('{"reset": true}\n')
 
     def stats(self) -> dict:
         """Counters so far: forwards, tokens (real and padded), the forward/finisher threads' seconds and
@@ -257,6 +290,7 @@ class HFEngine:
             "padded_tokens": self.padded_tokens,
             "staging": "triton" if isinstance(self._stager, TritonStager) else "torch",
             **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
+            **({"lead_under_a_layer": self.lead_under_a_layer} if self.cuda else {}),
             "first_forward_unix": self.first_forward_unix,
             "last_done_unix": self.last_done_unix,
         }
@@ -277,6 +311,9 @@ class HFEngine:
         self._hooks = []
         self.decoder.close()
         self._worker = self._finisher = None
+        if self._forward_log is not None:
+            self._forward_log.close()
+            self._forward_log = None
         with self._cv:
             for r in self._pending:
                 r.future.set_result(RequestResult(r.key, None, "engine closed before the request ran", 0.0))
@@ -332,6 +369,25 @@ class HFEngine:
 
         return hook
 
+    def _layer_mark(self, i: int):
+        """A decoder layer's start on the device clock; layer 0's is the forward's start ("first_layer")."""
+        import torch
+
+        def hook(*_args):
+            layers = self._marks.setdefault("layers", [])
+            if layers and layers[-1].query():
+                # The device already runs the previous layer while the host only now launches this one: it
+                # has less than a layer of work queued, and any wait of this thread (the interpreter lock,
+                # an allocation) becomes device time.
+                self._marks["lead_under_a_layer"] = self._marks.get("lead_under_a_layer", 0) + 1
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            layers.append(event)
+            if i == 0:
+                self._marks["first_layer"] = event
+
+        return hook
+
     def _take(self, pool: list[_Request]) -> list[_Request]:
         return take_batch(pool, self.policy)
 
@@ -372,11 +428,12 @@ class HFEngine:
         if self.cuda:
             self._marks = {}  # a forward that failed leaves none behind for the next
         try:
-            t0 = time.monotonic()
+            t0, start_unix = time.monotonic(), time.time()
             ids = self._forward(batch)
             t1 = time.monotonic()
             staged = self._stage(batch, ids)
-            self.timing["forward"] += t1 - t0
+            host_forward_s = t1 - t0
+            self.timing["forward"] += host_forward_s
             self.timing["stage"] += time.monotonic() - t1
         except torch.cuda.OutOfMemoryError as e:
             self.decoder.discard()
@@ -396,6 +453,7 @@ class HFEngine:
         if self.cuda:
             t0 = time.monotonic()
             marks, self._marks = self._marks, {}
+            marks.update(host_forward_s=host_forward_s, host_start_unix=start_unix)
             self._done.put((staged, marks))  # blocks while the previous batch's copy is still pending: two in flight
             self.timing["handoff"] += time.monotonic() - t0
         else:
@@ -425,14 +483,18 @@ class HFEngine:
             self._mark("end")()
         return staged
 
-    def _copy_to_host(self, staging, bad, end):
-        """Queue one batch's device-to-host copy behind its staging (the event `end`): (host, counts, done)."""
+    def _copy_to_host(self, staging, bad, end, marks: dict | None = None):
+        """Queue one batch's device-to-host copy behind its staging (the event `end`): (host, counts, done).
+        `marks` gets when the pinned allocation began and how long it took (the forward log's)."""
         import torch
 
-        t0 = time.monotonic()
+        t0, unix = time.monotonic(), time.time()
         host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
         counts = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
-        self.timing["pin_alloc"] += time.monotonic() - t0
+        took = time.monotonic() - t0
+        self.timing["pin_alloc"] += took
+        if marks is not None:
+            marks.update(pin_alloc_unix=unix, pin_alloc_s=took)
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(end)
             host.copy_(staging, non_blocking=True)
@@ -453,12 +515,12 @@ class HFEngine:
             try:
                 done = marks["end"]
                 if staged.planes is not None:  # a capture (the benchmark's bare engine stages nothing)
-                    host, counts, done = self._copy_to_host(staged.planes, staged.nonfinite, marks["end"])
+                    host, counts, done = self._copy_to_host(staged.planes, staged.nonfinite, marks["end"], marks)
                 t0 = time.monotonic()
                 done.synchronize()
                 t1 = time.monotonic()
                 self.timing["copy_wait"] += t1 - t0
-                self._device_time(marks)
+                self._device_time(marks, staged)
                 if staged.planes is not None:
                     # Copied: the device memory may go back to the pool.
                     staged.planes, staged.nonfinite = host.numpy(), counts.numpy()
@@ -469,16 +531,43 @@ class HFEngine:
                     if not r.future.done():
                         r.future.set_result(RequestResult(r.key, None, f"copy failed: {type(e).__name__}: {e}", 0.0))
 
-    def _device_time(self, marks: dict) -> None:
+    def _device_time(self, marks: dict, staged: _Staged | None = None) -> None:
         """Adds one batch's device seconds (its events are complete once its copy is)."""
         first, norm, end = marks.get("first_layer"), marks.get("norm"), marks.get("end")
         if first is None or norm is None or end is None:
             return
-        self.timing["device_forward"] += first.elapsed_time(norm) / 1000
+        forward_ms = first.elapsed_time(norm)
+        excess_ms = layer_excess_ms(marks.get("layers", []), norm)
+        between_ms = self._prev_end.elapsed_time(first) if self._prev_end is not None else None
+        self.timing["device_forward"] += forward_ms / 1000
         self.timing["device_stage"] += norm.elapsed_time(end) / 1000
-        if self._prev_end is not None:
-            self.timing["device_between"] += self._prev_end.elapsed_time(first) / 1000
+        self.timing["device_layer_excess"] += excess_ms / 1000
+        self.lead_under_a_layer += marks.get("lead_under_a_layer", 0)
+        if between_ms is not None:
+            self.timing["device_between"] += between_ms / 1000
         self._prev_end = end
+        if self._forward_log is not None and staged is not None:
+            self._forward_log.write(
+                json.dumps(
+                    {
+                        # Wall clock of the host's launch of this forward and of its batch's pinned
+                        # allocation (on the finisher, while a later forward runs): set side by side with
+                        # the layer excess they say which host event a forward waited on.
+                        "host_start_unix": round(marks.get("host_start_unix", 0.0), 4),
+                        "pin_alloc_unix": round(marks.get("pin_alloc_unix", 0.0), 4),
+                        "pin_alloc_ms": round(1000 * marks.get("pin_alloc_s", 0.0), 3),
+                        "rows": int(staged.ids.shape[0]),
+                        "t": int(staged.ids.shape[1]),
+                        "lengths": [len(r.ids) for r in staged.batch],
+                        "device_ms": round(forward_ms, 3),
+                        "layer_excess_ms": round(excess_ms, 3),
+                        "between_ms": None if between_ms is None else round(between_ms, 3),
+                        "lead_under_a_layer": marks.get("lead_under_a_layer", 0),
+                        "host_ms": round(1000 * marks.get("host_forward_s", 0.0), 3),
+                    }
+                )
+                + "\n"
+            )
 
     def _resolve(self, staged: _Staged) -> None:
         w, h = staged.widths

@@ -15,7 +15,7 @@ import torch
 
 from actors.engine import EngineDied
 from actors.hf.batching import BatchPolicy, take_batch
-from actors.hf.engine import HFEngine, _ids_sha256, _Request
+from actors.hf.engine import HFEngine, _ids_sha256, _Request, _Staged, layer_excess_ms
 from actors.hf.reference import ReferenceStates
 from actors.validate import check_capture
 
@@ -156,6 +156,44 @@ def test_device_time_adds_forward_staging_and_the_gap_between_batches():
     eng._device_time({"norm": Ev(2000)})  # a batch without its marks (a failed forward) adds nothing
     s = eng.stats()
     assert (s["device_forward_s"], s["device_stage_s"], s["device_between_s"]) == (1.6, 0.04, 0.01)
+
+
+class _Ev:  # a CUDA event on a fake clock (ms)
+    def __init__(self, ms):
+        self.ms = ms
+
+    def elapsed_time(self, other):
+        return other.ms - self.ms
+
+
+def test_layer_excess_is_the_time_beyond_the_median_layer():
+    """Every layer of a uniform stack does the same work: a layer that took longer waited on the device."""
+    layers = [_Ev(0), _Ev(10), _Ev(20), _Ev(45), _Ev(55)]  # the fourth layer ran 25 ms, the others 10
+    assert layer_excess_ms(layers, _Ev(65)) == pytest.approx(15.0)
+    assert layer_excess_ms([], _Ev(65)) == 0.0
+
+
+def test_device_time_counts_layer_excess_and_a_short_lead_and_logs_each_forward(tmp_path):
+    eng = HFEngine("unused", AUX, device="cuda")  # nothing touches a device before start()
+    log = tmp_path / "forwards.jsonl"
+    eng._forward_log = log.open("a")
+    eng.reset_stats()  # the log marks where the counted forwards begin
+    staged = _Staged([_Request("a", [1] * 7, Future(), 0.0), _Request("b", [1] * 5, Future(), 0.0)], np.ones((2, 7)))
+    layers = [_Ev(0), _Ev(10), _Ev(30)]
+    marks = {"first_layer": layers[0], "layers": layers, "norm": _Ev(40), "end": _Ev(42), "lead_under_a_layer": 2}
+    eng._device_time(marks | {"host_forward_s": 0.05, "pin_alloc_s": 0.01}, staged)
+    eng._forward_log.close()
+    s = eng.stats()
+    assert (s["device_forward_s"], s["device_layer_excess_s"], s["lead_under_a_layer"]) == (0.04, 0.01, 2)
+    reset, forward = (json.loads(x) for x in log.read_text().splitlines())
+    assert reset == {"reset": True}
+    assert (forward["rows"], forward["t"], forward["lengths"]) == (2, 7, [7, 5])
+    assert (forward["device_ms"], forward["layer_excess_ms"], forward["host_ms"], forward["pin_alloc_ms"]) == (
+        40,
+        10,
+        50,
+        10,
+    )
 
 
 def test_the_packed_sequence_shortcut_holds_only_inside_this_engines_forwards(engine):
