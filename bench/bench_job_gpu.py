@@ -33,6 +33,8 @@ forwards' span, after the last results); `--variant NAME:KEY=VAL,...` adds one-a
 7. --gil-profile PY_SPY: py-spy samples which thread of the first job's actor holds the interpreter lock
    while its forwards run (`--gil --nonblocking`: the actor is never paused); the share of wall time per
    role (forward thread, finisher, extractor calls, encoders, Ray) and each role's hottest frames.
+8. On CUDA, nvidia-smi samples the SM clock and power draw throughout: each bare pass and each job's forwards
+   get their medians (a job whose kernels all run slower, not one that waits, shows a lower clock).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.gpu_clock import GpuClock  # noqa: E402 - after the path that makes `bench` importable
 
 SHAPES = {
     "8b": dict(
@@ -155,7 +159,7 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
             eng.max_batch_tokens = b
             for k in range(passes):  # the same prompts again: the engine at its best, not its first pass
                 eng.reset_stats()
-                t0 = time.monotonic()
+                t0, start_unix = time.monotonic(), time.time()
                 res = eng.capture([(f"p{i}", p) for i, p in enumerate(prompts)])
                 dt = time.monotonic() - t0
                 errors = [r.error for r in res.values() if r.error]
@@ -163,7 +167,12 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
                     raise RuntimeError(f"bare run failed: {errors[:3]}")
                 s = eng.stats()  # the device's own seconds, to set against the job's (per_actor.engine)
                 every.setdefault(str(b), []).append(
-                    {"tok_s": round(tokens / dt, 1), "us_per_padded_token": us_per_padded_token(s)}
+                    {
+                        "tok_s": round(tokens / dt, 1),
+                        "us_per_padded_token": us_per_padded_token(s),
+                        "device_layer_excess_s": s.get("device_layer_excess_s"),
+                        "window_unix": [round(start_unix, 3), round(time.time(), 3)],
+                    }
                 )
                 if tokens / dt > rates.get(b, 0.0):
                     rates[b], stats[b] = tokens / dt, s
@@ -553,6 +562,21 @@ def main() -> None:
         "job": [],
     }
 
+    clock = GpuClock(args.out.parent / "gpu_clock.csv").start() if args.device == "cuda" else None
+
+    def clocks() -> None:
+        """The GPU's clock and power while the bare engine's passes and each job's forwards ran."""
+        if clock is None:
+            return
+        for passes in result.get("bare", {}).get("passes", {}).values():
+            for p in passes:
+                p["gpu"] = clock.window(*p["window_unix"])
+        for r in result["job"]:
+            for a in (r.get("per_actor") or {}).values():
+                e = a.get("engine") or {}
+                if e.get("first_forward_unix") and e.get("last_done_unix"):
+                    a["gpu"] = clock.window(e["first_forward_unix"], e["last_done_unix"])
+
     def save() -> None:  # after every stage: a run cut short still leaves what it measured
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -596,8 +620,15 @@ def main() -> None:
             verify=not args.no_verify,
         )
         if args.replay and n == 0 and not r.get("failed"):
-            r["replay"] = replay(model_dir, read_forward_log(log_dir), args.device, base["aux_layers"])
-            save()
+            logged = read_forward_log(log_dir)
+            try:
+                r["replay"] = (
+                    replay(model_dir, logged, args.device, base["aux_layers"])
+                    if logged
+                    else {"error": "the job's engine logged no forward (its log needs CUDA)"}
+                )
+            except Exception as e:  # noqa: BLE001 - the job's own numbers are kept either way
+                r["replay"] = {"error": f"{type(e).__name__}: {e}"}
         if variant:
             r["variant"] = variant
         if not r.get("failed"):
@@ -613,6 +644,10 @@ def main() -> None:
             if one and not variant:
                 r["scaling"] = round(r["tok_s"] / one["tok_s"], 3)
         result["job"].append(r)
+        save()
+    if clock is not None:
+        clock.stop()
+        clocks()
         save()
     log(f"wrote {args.out}")
     print(
