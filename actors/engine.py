@@ -37,6 +37,9 @@ class RequestResult:
 
 class Engine(Protocol):
     name: str
+    # How many times start() tries before it gives up, each within engine.startup_timeout_s: the driver
+    # waits for the actors' constructors that long.
+    start_attempts: int
 
     def start(self) -> Engine: ...
 

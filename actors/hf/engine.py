@@ -100,6 +100,7 @@ def layer_excess_ms(layers: list, norm) -> float:
 
 class HFEngine:
     name = "hf"
+    start_attempts = 1  # a model load that fails fails again: nothing to retry
     WARMUP_MAX_LENGTH = 2048  # the warm-up's sequences: max_batch_tokens in as many of these as fit
 
     @classmethod

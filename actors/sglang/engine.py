@@ -68,6 +68,10 @@ def remove_orphaned_dump_dirs(root: Path) -> list[Path]:
 
 class SGLangEngine:
     name = "sglang"
+    # A server start that stalls or exits is tried once more (fresh ports, a fresh process) before the actor
+    # fails: a start that stalled past 600 s once in a suite run of two concurrent starts left the run
+    # failed on Ray's wait for actors, with nothing in the server log to act on.
+    start_attempts = 2
 
     @classmethod
     def kwargs_for(
@@ -124,7 +128,17 @@ class SGLangEngine:
         self._thread: threading.Thread | None = None
 
     def start(self) -> SGLangEngine:
-        self.server.start()
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                self.server.start()
+                break
+            except EngineDied as e:
+                if attempt == self.start_attempts:
+                    raise
+                logger.warning(
+                    "SGLang server start %d of %d failed, starting it again: %s", attempt, self.start_attempts, e
+                )
+                self.server.close()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-requests", daemon=True)
         self._thread.start()

@@ -237,7 +237,14 @@ class SGLangServer:
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
+            return
+        if proc.poll() is not None:
+            # The launcher is gone (it exited during start, or was killed): its scheduler children may not be.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             return
         # The server spawns scheduler/detokenizer children: signal the whole process group.
         for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):

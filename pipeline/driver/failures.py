@@ -24,7 +24,9 @@ def root_cause(e: BaseException) -> BaseException:
     while id(e) not in seen:
         seen.add(id(e))
         cause = getattr(e, "cause", None)
-        nxt = cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
+        # `raise ... from None` says the context is not the cause (Python's own traceback hides it too).
+        context = None if e.__suppress_context__ else e.__context__
+        nxt = cause if isinstance(cause, BaseException) else (e.__cause__ or context)
         if nxt is None or _is_marker(nxt):
             break
         e = nxt

@@ -355,9 +355,11 @@ def _extract(
     # batches_per_actor batches at once and, on a short input, the others get little or nothing
     # (measured: two GPU actors, eight batches, all eight on one actor). The setting lives in the
     # dataset's own copy of the context.
-    results.context.wait_for_min_actors_s = int(cfg.engine.startup_timeout_s)
+    attempts = engine_class(cfg.engine.name).start_attempts
+    wait_s = int(cfg.engine.startup_timeout_s * attempts) + 60
+    results.context.wait_for_min_actors_s = wait_s
     progress.maybe_log(force=True)
-    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
+    for batch in _batches_once_engines_start(results, wait_s, attempts, cfg.engine.startup_timeout_s):
         statuses = batch["status"].to_pylist()
         progress.update(statuses, batch["num_tokens"].to_pylist(), batch["bytes"].to_pylist())
         progress.update_actors(
@@ -371,6 +373,27 @@ def _extract(
         reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), statuses) if st != "ok")
         progress.maybe_log()
     progress.maybe_log(force=True)
+
+
+class EngineStartTimeout(RuntimeError):
+    """The actors' engines were not all up within their start-up budget."""
+
+
+def _batches_once_engines_start(results, wait_s: int, attempts: int, timeout_s: float):
+    """The results' batches; Ray's own timeout for the actors' start (which blames the cluster's resources)
+    becomes one that names the setting to change."""
+    import ray
+
+    try:
+        yield from results.iter_batches(batch_format="pyarrow", batch_size=None)
+    except ray.exceptions.GetTimeoutError as e:
+        if "starting actors" not in str(e):
+            raise
+        raise EngineStartTimeout(
+            f"the engines were not all up after {wait_s} s ({attempts} start attempt(s) of "
+            f"engine.startup_timeout_s={timeout_s:g} each); a large model may need a higher "
+            "engine.startup_timeout_s, and each actor's log (Ray dashboard) holds its engine's last lines"
+        ) from None
 
 
 def provenance(cfg: HarvestConfig, plan: Plan) -> dict:

@@ -54,6 +54,9 @@ def test_no_sample_is_stored_with_another_samples_states(n, ray_session, make_co
             "engine.max_in_flight": 32,
             "engine.cpus_per_actor": 0.5,
             "extract.batch_size": 64,
+            # Two servers start at once on two cores (~1-2 minutes); one that stalls is started again after
+            # this (actors/sglang/engine.py), well inside the suite's time.
+            "engine.startup_timeout_s": 300,
         },
     )
     summary = run(cfg)

@@ -187,3 +187,34 @@ def test_the_rendezvous_store_binds_loopback_only(hook_modules):
         del store
     finally:
         rdzv._create_c10d_store = original
+
+
+def test_a_server_start_that_fails_is_tried_once_more_then_gives_up(monkeypatch, tmp_path):
+    """A start that stalls or exits (EngineDied from the server) gets a fresh process once; a second failure
+    fails the actor, so Ray's wait for actors (which covers every attempt) never outlives the engine's."""
+    from actors.engine import EngineDied
+    from actors.sglang import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "default_dump_root", lambda: tmp_path)
+    starts: list[int] = []
+
+    def failing_start(fail_times):
+        def start(self):
+            starts.append(1)
+            if len(starts) <= fail_times:
+                raise EngineDied(f"SGLang server not ready (attempt {len(starts)})")
+            return self
+
+        return start
+
+    kwargs = {"model_dir": Path("/models/m"), "aux_layers": (1,), "startup_timeout_s": 1.0}
+    monkeypatch.setattr(engine_mod.SGLangServer, "start", failing_start(1))
+    engine = engine_mod.SGLangEngine(kwargs, max_in_flight=2, request_timeout_s=5).start()
+    engine.close()
+    assert len(starts) == engine_mod.SGLangEngine.start_attempts == 2
+
+    starts.clear()
+    monkeypatch.setattr(engine_mod.SGLangServer, "start", failing_start(2))
+    with pytest.raises(EngineDied, match="attempt 2"):
+        engine_mod.SGLangEngine(kwargs, max_in_flight=2, request_timeout_s=5).start()
+    assert len(starts) == 2

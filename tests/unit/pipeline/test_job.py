@@ -166,3 +166,29 @@ def test_a_family_the_engine_cannot_run_is_refused_before_its_weights_are_read(r
     msg = str(e.value)
     assert msg.startswith("gpt-oss (gpt_oss) cannot run on engine sglang on cpu: SGLang 0.5.23 runs gpt-oss only")
     assert "try engine.name=hf" in msg
+
+
+def test_rays_timeout_for_starting_actors_names_the_setting_and_the_wait():
+    """Ray blames the cluster's resources; the run's one line names the engine's start-up setting instead."""
+    import ray
+
+    from pipeline.driver.failures import failure_message
+    from pipeline.driver.job import EngineStartTimeout, _batches_once_engines_start
+
+    class Results:
+        def __init__(self, error):
+            self.error = error
+
+        def iter_batches(self, **_):
+            raise self.error
+            yield  # a generator, like Ray Data's
+
+    start = ray.exceptions.GetTimeoutError("Timed out while starting actors. This may mean that the cluster ...")
+    with pytest.raises(EngineStartTimeout) as e:
+        list(_batches_once_engines_start(Results(start), 1260, 2, 600.0))
+    line = failure_message(e.value)
+    assert "after 1260 s" in line and "engine.startup_timeout_s=600" in line and "2 start attempt" in line
+    # Any other timeout is not the engines' start and passes through as it is.
+    other = ray.exceptions.GetTimeoutError("Get timed out: some object")
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        list(_batches_once_engines_start(Results(other), 1260, 2, 600.0))
