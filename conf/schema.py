@@ -73,6 +73,10 @@ class SGLangEngineConfig(_EngineBase):
     # assembles each request's chunks, so long prompts come out whole. -1 turns chunking off.
     chunked_prefill_size: int = Field(8192, ge=-1)
     server_flags: tuple[str, ...] = ()
+    # CPU mode: the dtype the server computes in (states are stored as bf16 either way). auto: float32 where
+    # the CPU has no native bf16 matmul (no avx512_bf16/amx_bf16), where bf16 ran ~6x slower; the model's own
+    # elsewhere. model: always the model's. A --dtype in server_flags overrides both.
+    cpu_dtype: Literal["auto", "model", "float32"] = "auto"
     request_timeout_s: float = Field(600.0, gt=0)
     # How long a dump may take to appear after its answer (the hook publishes from a thread).
     dump_timeout_s: float = Field(30.0, gt=0)

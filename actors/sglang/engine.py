@@ -25,7 +25,7 @@ import aiohttp
 
 from actors.dump import DumpError, dump_path, read_dump
 from actors.engine import EngineDied, RequestResult
-from actors.sglang.server import RID_PREFIX, ServerSpec, SGLangServer, build_command
+from actors.sglang.server import RID_PREFIX, ServerSpec, SGLangServer, build_command, cpu_dtype_flags
 from pipeline.format.lock import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,9 @@ class SGLangEngine:
                 "chunked_prefill_size": cfg.chunked_prefill_size,
                 "cpu": not cuda,
                 "cpu_threads": cpu_threads,
-                "extra_flags": tuple(cfg.server_flags),
+                # Decided here, on the driver, so the manifest's flags are the ones every server runs with.
+                "extra_flags": tuple(cfg.server_flags)
+                + (() if cuda else cpu_dtype_flags(cfg.cpu_dtype, tuple(cfg.server_flags))),
                 "startup_timeout_s": cfg.startup_timeout_s,
             },
             "max_in_flight": cfg.max_in_flight,

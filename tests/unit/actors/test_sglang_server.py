@@ -218,3 +218,44 @@ def test_a_server_start_that_fails_is_tried_once_more_then_gives_up(monkeypatch,
     with pytest.raises(EngineDied, match="attempt 2"):
         engine_mod.SGLangEngine(kwargs, max_in_flight=2, request_timeout_s=5).start()
     assert len(starts) == 2
+
+
+AVX2 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n"
+AMX = "processor\t: 0\nmodel name\t: Intel Xeon\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"
+
+
+@pytest.mark.parametrize(
+    "cpuinfo,native",
+    [(AVX2, False), (AMX, True), (ARM_BF16, True), ("processor\t: 0\n", None)],
+    ids=["avx2", "amx", "arm-bf16", "unknown"],
+)
+def test_bf16_matmul_is_read_off_the_cpus_flags(cpuinfo, native):
+    from actors.sglang.server import cpu_has_bf16_matmul
+
+    assert cpu_has_bf16_matmul(cpuinfo) is native
+
+
+def test_cpu_dtype_auto_computes_in_float32_only_where_bf16_is_not_native_and_the_user_did_not_choose():
+    from actors.sglang.server import cpu_dtype_flags
+
+    assert cpu_dtype_flags("auto", (), AVX2) == ("--dtype", "float32")
+    assert cpu_dtype_flags("auto", (), AMX) == ()
+    assert cpu_dtype_flags("auto", (), "") == ()  # cannot tell: SGLang's own choice
+    assert cpu_dtype_flags("model", (), AVX2) == ()
+    assert cpu_dtype_flags("float32", (), AMX) == ("--dtype", "float32")
+    for user in (("--dtype", "bfloat16"), ("--dtype=bfloat16",)):
+        assert cpu_dtype_flags("auto", user, AVX2) == cpu_dtype_flags("float32", user, AMX) == ()
+
+
+def test_the_cpu_dtype_reaches_the_servers_command_and_never_a_gpu_server(monkeypatch):
+    from actors.sglang import engine as engine_mod
+    from conf.schema import SGLangEngineConfig
+
+    monkeypatch.setattr("actors.sglang.server.cpu_has_bf16_matmul", lambda cpuinfo=None: False)
+    cfg = SGLangEngineConfig(server_flags=("--log-level", "warning"))
+    cpu = engine_mod.SGLangEngine.kwargs_for(cfg, "/models/m", (1,), cuda=False, cpu_threads=2)
+    cmd = build_command(ServerSpec(dump_dir=Path("/d"), **cpu["spec_without_dump"]), port=1)
+    assert value_after(cmd, "--dtype") == ["float32"] and value_after(cmd, "--log-level") == ["warning"]
+    gpu = engine_mod.SGLangEngine.kwargs_for(cfg, "/models/m", (1,), cuda=True, cpu_threads=2)
+    assert "--dtype" not in build_command(ServerSpec(dump_dir=Path("/d"), **gpu["spec_without_dump"]), port=1)
