@@ -48,7 +48,16 @@ def prompts(n: int) -> dict[str, list[int]]:
 
 def test_every_injected_fault_is_caught_and_retried(model_dir, references, tmp_path):
     log = tmp_path / "faults.jsonl"
-    spec = {"model_dir": model_dir, "aux_layers": (2, 15, 27), "cpu": True, "env": fault_env(log)}
+    # The server computes in float32, so an accepted capture is its prompt's own states up to bf16 storage
+    # rounding, on any CPU: in bf16, one healthy 8-token prompt here measured 3.8x the bf16 yardstick's
+    # distance on a CPU without native bf16 matmul (the rule allows 3.5x), failing the check on a clean capture.
+    spec = {
+        "model_dir": model_dir,
+        "aux_layers": (2, 15, 27),
+        "cpu": True,
+        "env": fault_env(log),
+        "extra_flags": ("--dtype", "float32"),
+    }
     # 96 prompts: with 48 about 20 faults fell, and a kind could miss out altogether (one run had no `missing`).
     todo = prompts(96)
     accepted: dict[str, object] = {}

@@ -192,3 +192,20 @@ def test_rays_timeout_for_starting_actors_names_the_setting_and_the_wait():
     other = ray.exceptions.GetTimeoutError("Get timed out: some object")
     with pytest.raises(ray.exceptions.GetTimeoutError):
         list(_batches_once_engines_start(Results(other), 1260, 2, 600.0))
+
+
+def test_the_rows_still_to_do_are_those_neither_committed_nor_a_duplicates(ray_session):
+    import ray.data
+
+    from pipeline.driver.job import _still_to_do
+
+    rows = [{"source": f"f:{i // 2}", "sample_id": f"s{i}"} for i in range(10)]  # two turns a source line
+    ds = ray.data.from_items(rows)
+
+    def ids(d):
+        return sorted(r["sample_id"] for r in d.take_all())
+
+    assert _still_to_do(ds, set(), set()) is ds  # a fresh output: no filter at all
+    assert ids(_still_to_do(ds, {"f:1"}, set())) == ["s0", "s1", "s4", "s5", "s6", "s7", "s8", "s9"]
+    assert ids(_still_to_do(ds, set(), {"s0", "s9"})) == ["s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8"]
+    assert ids(_still_to_do(ds, {"f:1", "f:4"}, {"s0"})) == ["s1", "s4", "s5", "s6", "s7"]
