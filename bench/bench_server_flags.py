@@ -9,7 +9,7 @@ Variants (each a real `sglang.launch_server`; the CPU stand-in and env as actors
   plain:     SGLang's defaults plus what CPU mode needs (--device cpu --attention-backend torch_native
              --disable-cuda-graph) and --disable-radix-cache (a repeated prompt would return only its suffix)
   plain-kv:  plain plus the project's KV sizing (--mem-fraction-static, --max-total-tokens)
-  project:   the project's bare spec (ServerSpec(capture=False), as bench/bench_throughput.py's baseline)
+  project:   the project's bare spec (ServerSpec(capture=False), bench/bench_throughput.py's baseline until 2026-12)
   capture:   the job's server (aux capture, the hook; dumps are written and left unread)
 """
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_throughput import _send_all  # noqa: E402
+from plain_sglang import send_all  # noqa: E402
 
 import actors.sglang.server as server_mod  # noqa: E402
 from actors.sglang.server import CPU_KV_TOKENS, CPU_MEM_FRACTION, ServerSpec, SGLangServer  # noqa: E402
@@ -106,10 +106,10 @@ def main() -> None:
                         "startup_s": round(time.monotonic() - t0, 1),
                         "flags": server_mod.build_command(spec, 0)[3:],
                     }
-                    asyncio.run(_send_all(server.url, samples[:4], 4))  # warm-up
+                    asyncio.run(send_all(server.url, samples[:4], 4))  # warm-up
                     for window in [int(w) for w in args.windows.split(",")]:
                         entry[f"tok_s_at_{window}"] = round(
-                            tokens / asyncio.run(_send_all(server.url, samples, window)), 1
+                            tokens / asyncio.run(send_all(server.url, samples, window)), 1
                         )
                         print(variant, window, entry[f"tok_s_at_{window}"], flush=True)
         finally:

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -36,20 +37,24 @@ def plain_env(spec: ServerSpec) -> dict[str, str]:
     return env
 
 
-async def send_all(url: str, samples: list[list[int]], window: int, rid_prefix: str = "bench") -> float:
-    """Seconds for every prompt through /generate (max_new_tokens 1) under a window of `window` requests."""
+async def send_all(url: str, samples: list[list[int]], window: int, dump_dir: Path | None = None) -> float:
+    """Seconds for every prompt through /generate (max_new_tokens 1) under a window of `window` requests. The
+    rid carries the capture hook's prefix and the prompt length, so a capture server dumps it too; with
+    `dump_dir`, each dump is awaited and deleted unread (the hook's cost without the client's)."""
     sem = asyncio.Semaphore(window)
 
     async def one(session, i, ids):
+        rid = f"{server_mod.RID_PREFIX}bench{i}-{time.monotonic_ns()}.t{len(ids)}"
         async with sem:
-            payload = {
-                "input_ids": ids,
-                "rid": f"{rid_prefix}-{i}-{time.monotonic_ns()}",
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            }
+            payload = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
             async with session.post(f"{url}/generate", json=payload) as r:
                 await r.read()
                 assert r.status == 200, r.status
+        if dump_dir is not None:
+            path = dump_dir / f"{rid}.hhd"
+            while not path.exists():
+                await asyncio.sleep(0.002)
+            path.unlink()
 
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
@@ -57,23 +62,26 @@ async def send_all(url: str, samples: list[list[int]], window: int, rid_prefix: 
     return time.perf_counter() - t0
 
 
+def sweep(url: str, samples: list[list[int]], windows, dump_dir: Path | None = None, label: str = "") -> dict:
+    """{window: tok/s} over every prompt at each window, after a warm-up of four."""
+    tokens = sum(map(len, samples))
+    asyncio.run(send_all(url, samples[:4], 4, dump_dir))
+    out = {}
+    for w in windows:
+        out[w] = round(tokens / asyncio.run(send_all(url, samples, w, dump_dir)), 1)
+        if label:
+            print(f"  {label} window {w}: {out[w]:,.0f} tok/s", flush=True)
+    return out
+
+
 def plain_sweeps(
     spec: ServerSpec, samples: list[list[int]], windows, flags: tuple[str, ...] = (), repeats: int = 1
 ) -> list[dict[int, float]]:
-    """One plain server, a warm-up, then every window `repeats` times: [{window: tok/s}] per repeat."""
-    tokens = sum(map(len, samples))
+    """One plain server, every window `repeats` times: [{window: tok/s}] per repeat."""
     build, env = server_mod.build_command, server_mod.build_env
     server_mod.build_command, server_mod.build_env = plain_command, plain_env
     try:
         with SGLangServer(dataclasses.replace(spec, capture=False, extra_flags=tuple(flags))) as server:
-            asyncio.run(send_all(server.url, samples[:4], 4))
-            sweeps = []
-            for r in range(repeats):
-                sweep = {}
-                for w in windows:
-                    sweep[w] = round(tokens / asyncio.run(send_all(server.url, samples, w)), 1)
-                    print(f"  plain run {r + 1}/{repeats} window {w}: {sweep[w]:,.0f} tok/s", flush=True)
-                sweeps.append(sweep)
-            return sweeps
+            return [sweep(server.url, samples, windows, label=f"plain run {r + 1}/{repeats}") for r in range(repeats)]
     finally:
         server_mod.build_command, server_mod.build_env = build, env

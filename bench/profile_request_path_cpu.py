@@ -20,11 +20,9 @@ Each step's extra milliseconds per request against the plain server's best: (1/r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -32,16 +30,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import aiohttp
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_server_flags import prompts  # noqa: E402
-from plain_sglang import plain_sweeps  # noqa: E402
+from bench_throughput import machine  # noqa: E402
+from plain_sglang import plain_sweeps, sweep  # noqa: E402
 
-import actors.sglang.server as server_mod  # noqa: E402
 from actors.sglang.engine import SGLangEngine  # noqa: E402
 from actors.sglang.server import ServerSpec, SGLangServer  # noqa: E402
 from actors.validate import check_capture  # noqa: E402
@@ -49,40 +45,6 @@ from pipeline.driver.plan import default_aux_layers  # noqa: E402
 from pipeline.format.final_norm import read_final_norm  # noqa: E402
 from pipeline.format.shards import ShardLayout  # noqa: E402
 from pipeline.intake.model import num_hidden_layers, prepare_default_model  # noqa: E402
-
-
-async def _send(url: str, samples: list[list[int]], window: int, dump_dir: Path | None) -> float:
-    """Every prompt under a window of `window` requests; with dump_dir, each request's dump is deleted
-    unread once it appears (the hook's cost without the client's)."""
-    sem = asyncio.Semaphore(window)
-
-    async def one(session, i, ids):
-        rid = f"{server_mod.RID_PREFIX}bench{i}-{time.monotonic_ns()}.t{len(ids)}"
-        async with sem:
-            payload = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-            async with session.post(f"{url}/generate", json=payload) as r:
-                await r.read()
-                assert r.status == 200, r.status
-        if dump_dir is not None:
-            path = dump_dir / f"{rid}.hhd"
-            while not path.exists():
-                await asyncio.sleep(0.002)
-            path.unlink()
-
-    t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
-        await asyncio.gather(*(one(s, i, ids) for i, ids in enumerate(samples)))
-    return time.perf_counter() - t0
-
-
-def _sweep(url, samples, windows, dump_dir=None) -> dict[int, float]:
-    tokens = sum(map(len, samples))
-    asyncio.run(_send(url, samples[:4], 4, dump_dir))  # warm-up
-    return {w: round(tokens / asyncio.run(_send(url, samples, w, dump_dir)), 1) for w in windows}
-
-
-def plain_sweep(spec: ServerSpec, samples, windows, flags: tuple[str, ...] = ()) -> dict[int, float]:
-    return plain_sweeps(spec, samples, windows, flags)[0]
 
 
 def engine_rates(spec: ServerSpec, samples, window: int, layout: ShardLayout, threads: int) -> dict[str, float]:
@@ -93,7 +55,7 @@ def engine_rates(spec: ServerSpec, samples, window: int, layout: ShardLayout, th
     spec_kwargs = {k: getattr(spec, k) for k in keys}
     out = {}
     with SGLangEngine(spec_kwargs, max_in_flight=window, request_timeout_s=600, dump_timeout_s=30) as engine:
-        out["hook"] = _sweep(engine.server.url, samples, [window], engine._dump_dir)[window]
+        out["hook"] = sweep(engine.server.url, samples, [window], engine._dump_dir)[window]
         engine.capture(requests[:4])
         for step in ("engine", "encode"):
             pool = ThreadPoolExecutor(threads)
@@ -151,18 +113,6 @@ def job_rate(samples, work: Path, server_flags: tuple[str, ...]) -> dict:
     }
 
 
-def cpu_model() -> str:
-    """The CPU's name and whether it has native bf16 matmul (which sets the bf16 forward's speed by ~6x)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name}; bf16 matmul: {', '.join(bf16) or 'none (avx2 only)' if 'avx2' in flags else 'none'}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=160)
@@ -190,9 +140,8 @@ def main() -> None:
     layout = ShardLayout(aux, 576, final_norm=read_final_norm(model))
     result = {
         "benchmark": "per-request path, plain SGLang server to the job, short prompts, CPU",
-        "machine": f"{os.cpu_count()} cores, {platform.machine()}, no GPU",
+        "machine": machine(),
         "date": datetime.date.today().isoformat(),
-        "cpu": cpu_model(),
         "server_dtype": args.dtype or "the model's (bf16)",
         "command": "python bench/profile_request_path_cpu.py " + " ".join(sys.argv[1:]),
         "prompts": {
@@ -211,10 +160,10 @@ def main() -> None:
             # SGLang's own memory default reserves most of the machine for KV (14.5 GB of 24 here); measured
             # on a few prompts only, to show what a user who passes no memory flag gets.
             probe = samples[: args.plain_default_prompts]
-            rate = plain_sweep(spec, probe, [8], dtype_flags)[8]
+            rate = plain_sweeps(spec, probe, [8], dtype_flags)[0][8]
             result["plain_sglang_memory_default"] = {"prompts": len(probe), "window": 8, "tok_s": rate}
             print("plain, SGLang's memory default", rate, flush=True)
-        plain = plain_sweep(spec, samples, windows, tuple(args.plain_flags.split()) + dtype_flags)
+        plain = plain_sweeps(spec, samples, windows, tuple(args.plain_flags.split()) + dtype_flags)[0]
         print("plain", plain, flush=True)
         result["tok_s"]["plain"] = plain
         result["plain_flags"] = args.plain_flags
@@ -224,7 +173,7 @@ def main() -> None:
             import dataclasses
 
             with SGLangServer(dataclasses.replace(spec, capture=False)) as server:
-                result["tok_s"]["project"] = _sweep(server.url, samples, windows)
+                result["tok_s"]["project"] = sweep(server.url, samples, windows)
             print("project", result["tok_s"]["project"], flush=True)
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         spec = ServerSpec(
