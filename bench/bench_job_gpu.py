@@ -12,7 +12,10 @@
    saved as a normal HF model directory (bf16 safetensors).
 2. N pre-tokenized prompts, lengths uniform (or log-uniform: most prompts short, most tokens in long ones) in
    [min-len, max-len] (fixed seed), written as `{"id", "input_ids"}`.
-3. bare: bench/bare_hf.BareHFEngine (the hf engine, nothing kept) on the same prompts, every prompt submitted at once (so
+3. baselines, each the best of --passes passes per max_batch_tokens; the better of the two is the baseline:
+   a plain transformers loop (bench/bare_hf.plain_loop: length-sorted batches, right-padded, one forward
+   after another; --no-plain skips it) and
+   bare: bench/bare_hf.BareHFEngine (the hf engine, nothing kept) on the same prompts, every prompt submitted at once (so
    its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens, best of
    --passes passes over the same prompts; the baseline is the best of all. Beside each rate: the device's
    microseconds per padded token (its forwards' own clock), the number to set against the job's.
@@ -26,7 +29,8 @@ committed tokens from the moment the first actor's engine was up to the last com
 excluded, every batch included). The end-to-end and steady (first to last commit) rates are recorded too;
 the steady rate misleads when a few large batches are all in flight at once (they all land at the end).
 Each run's `window` splits that span per actor with the engine's own clock (before the first forward, the
-forwards' span, after the last results); `--variant NAME:KEY=VAL,...` adds one-actor runs with other settings.
+forwards' span, after the last results); `--variant NAME:KEY=VAL,...` adds one-actor runs with other settings
+(an upper-case KEY is an environment variable of that job's processes instead of a config key).
 6. --replay: the first job's forwards (their exact batches, from the engine's forward log) run again on the
    bare engine in this process: the same shapes without the actor around them, so a per-token gap can be
    told apart into the job's batch composition and what the actor's process does to its forwards.
@@ -69,7 +73,7 @@ SHAPES = {
         head_dim=128,
     ),
     "tiny": dict(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+        hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2
     ),
 }
 
@@ -295,10 +299,13 @@ def job(
         "progress.interval_s=5",
         *extra_sets,
     ]
+    # A variant's upper-case keys are environment variables of the job (e.g. HIDDEN_HARVEST_PINNED_SLABS=0).
+    job_env = dict(x.split("=", 1) for x in sets if x.split("=", 1)[0].isupper())
+    sets = [x for x in sets if not x.split("=", 1)[0].isupper()]
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [
         a for s in sets for a in ("--set", s)
     ]
-    env = dict(os.environ)
+    env = dict(os.environ) | job_env
     if forward_log is not None:
         shutil.rmtree(forward_log, ignore_errors=True)
         forward_log.mkdir(parents=True)
@@ -510,6 +517,7 @@ def main() -> None:
     ap.add_argument("--replay", action="store_true", help="replay the first job's forwards on the bare engine")
     ap.add_argument("--gil-profile", metavar="PY_SPY", help="py-spy: which actor thread holds the GIL (first job)")
     ap.add_argument("--no-verify", action="store_true", help="skip harvest verify after each job")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain transformers loop baseline")
     ap.add_argument("--batch-tokens", default="8192,16384,32768")
     # Unset: the hf engine's own defaults for the device (conf/schema.py HFEngineConfig: on a GPU 16 batches
     # of 128, whose pool it fills each forward from).
@@ -590,10 +598,24 @@ def main() -> None:
     if args.disk_test_gb:
         result["disk"] = {str(root): disk_rate(root, args.disk_test_gb) for root in dict.fromkeys(r[1] for r in runs)}
         save()
-    result["bare"] = base = bare(
-        model_dir, prompts, [int(b) for b in args.batch_tokens.split(",")], args.device, args.passes
-    )
+    sweep = [int(b) for b in args.batch_tokens.split(",")]
+    result["bare"] = base = bare(model_dir, prompts, sweep, args.device, args.passes)
     save()
+    if not args.no_plain:
+        from bench.bare_hf import plain_loop
+
+        result["plain"] = {}
+        for b in sweep:
+            result["plain"][str(b)] = p = plain_loop(str(model_dir), prompts, b, args.device, args.passes)
+            log(f"plain transformers loop, {b} tokens a batch: {p['passes_tok_s']} tok/s, padding {p['padding']}")
+        save()
+    plain_best = max((p["tok_s"] for p in result.get("plain", {}).values()), default=0.0)
+    # The baseline is the better of the two plain engines: the bare hf engine and the plain loop.
+    baseline = max(base["tok_s"], plain_best)
+    result["baseline"] = {
+        "tok_s": baseline,
+        "engine": "bare hf engine" if baseline == base["tok_s"] else "plain transformers loop",
+    }
     if args.engine_only:
         result["engine_only"] = engine_only(
             model_dir, prompts, base["best_max_batch_tokens"], args.device, base["aux_layers"]
@@ -633,6 +655,9 @@ def main() -> None:
             r["variant"] = variant
         if not r.get("failed"):
             r["ratio_vs_bare"] = round(r["tok_s"] / base["tok_s"], 3)
+            r["ratio_vs_baseline"] = round(r["tok_s"] / baseline, 3)
+            if plain_best:
+                r["ratio_vs_plain_loop"] = round(r["tok_s"] / plain_best, 3)
             r["bare_us_per_padded_token"] = base["us_per_padded_token"]
             r["ratio_vs_bare_end_to_end"] = round(r["tok_s_end_to_end"] / base["tok_s"], 3)
             same_root = [
@@ -654,6 +679,8 @@ def main() -> None:
         json.dumps(
             {
                 "bare_tok_s": base["tok_s"],
+                "plain_loop_tok_s": plain_best or None,
+                "baseline_tok_s": baseline,
                 "job": [
                     {
                         k: r.get(k)
@@ -663,6 +690,7 @@ def main() -> None:
                             "output_root",
                             "tok_s",
                             "ratio_vs_bare",
+                            "ratio_vs_baseline",
                             "us_per_padded_token",
                             "scaling",
                             "verify_passed",

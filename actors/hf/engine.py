@@ -51,6 +51,7 @@ from actors.dump import Capture, CaptureHeader
 from actors.engine import EngineDied, RequestResult
 from actors.hf.batching import BatchPolicy, take_batch
 from actors.hf.decoder import Decoder
+from actors.hf.pinned import PinnedSlabs
 from actors.hf.staging import TritonStager, plane_offsets, stage_torch
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def _ids_sha256(ids: np.ndarray) -> str:
 
 
 FORWARD_LOG_ENV = "HIDDEN_HARVEST_FORWARD_LOG"
+PINNED_SLABS_ENV = "HIDDEN_HARVEST_PINNED_SLABS"
 
 
 def layer_excess_ms(layers: list, norm) -> float:
@@ -102,6 +104,10 @@ class HFEngine:
     name = "hf"
     start_attempts = 1  # a model load that fails fails again: nothing to retry
     WARMUP_MAX_LENGTH = 2048  # the warm-up's sequences: max_batch_tokens in as many of these as fit
+    # Pinned slabs of the largest batch (actors/hf/pinned.py): two in the finisher's hands, the rest held by
+    # captures the actor has not encoded yet. Past this many a batch allocates its own, counted in stats().
+    # HIDDEN_HARVEST_PINNED_SLABS overrides it for benchmarks (0: every batch allocates, as before the slabs).
+    PINNED_SLABS = 6
 
     @classmethod
     def kwargs_for(
@@ -166,6 +172,7 @@ class HFEngine:
         self._finisher: threading.Thread | None = None
         self._done: queue.Queue = queue.Queue(maxsize=1)  # batches whose copy is in flight (CUDA)
         self._failure: BaseException | None = None
+        self._slabs: PinnedSlabs | None = None  # CUDA: the copies' pinned buffers, made at the first copy
         self._hooks: list = []  # the engine's own (device clock); the decoder keeps its capture hooks
         self._stager = stage_torch  # on CUDA, start() puts the Triton kernel here where it matches
         self.batches = 0
@@ -279,6 +286,8 @@ class HFEngine:
         self.timing = dict.fromkeys(self.timing, 0.0)
         self.first_forward_unix = self.last_done_unix = None
         self._prev_end = None
+        if self._slabs is not None:
+            self._slabs.misses = 0
         if self._forward_log is not None:  # readers keep the forwards after the last reset (not the warm-up)
             self._forward_log.write('{"reset": true}\n')
 
@@ -292,6 +301,8 @@ class HFEngine:
             "staging": "triton" if isinstance(self._stager, TritonStager) else "torch",
             **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
             **({"lead_under_a_layer": self.lead_under_a_layer} if self.cuda else {}),
+            # Batches that found no free pinned slab and allocated their own (CUDA).
+            **({"pinned_slabs": self._slabs.allocated, "pinned_misses": self._slabs.misses} if self._slabs else {}),
             "first_forward_unix": self.first_forward_unix,
             "last_done_unix": self.last_done_unix,
         }
@@ -484,14 +495,26 @@ class HFEngine:
             self._mark("end")()
         return staged
 
-    def _copy_to_host(self, staging, bad, end, marks: dict | None = None):
+    def _copy_to_host(self, staging, bad, end, widths: tuple[int, int], marks: dict | None = None):
         """Queue one batch's device-to-host copy behind its staging (the event `end`): (host, counts, done).
         `marks` gets when the pinned allocation began and how long it took (the forward log's)."""
         import torch
 
         t0, unix = time.monotonic(), time.time()
-        host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
-        counts = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+        nbytes = staging.numel()
+        at = -(-nbytes // 8) * 8  # the counts after the planes, aligned for their int32
+        slabs = self._pinned_slabs(widths)
+        lent = slabs.take(at + bad.numel() * bad.element_size()) if slabs is not None else None
+        if lent is not None:  # one buffer, allocated once: the planes, then the counts
+            buffer, array = lent
+            host, host_np = buffer[:nbytes], array[:nbytes]
+            counts = buffer[at : at + bad.numel() * bad.element_size()].view(bad.dtype).view(bad.shape)
+            counts_np = array[at : at + counts.numel() * counts.element_size()].view(np.int32).reshape(bad.shape)
+            del buffer
+        else:  # larger than a slab, or every slab still lent: allocated for this batch alone
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            counts = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+            host_np, counts_np = host.numpy(), counts.numpy()
         took = time.monotonic() - t0
         self.timing["pin_alloc"] += took
         if marks is not None:
@@ -502,7 +525,17 @@ class HFEngine:
             counts.copy_(bad, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return host, counts, done
+        return host_np, counts_np, done
+
+    def _pinned_slabs(self, widths: tuple[int, int]) -> PinnedSlabs | None:
+        """The copies' pinned buffers (actors/hf/pinned.py), made at the first copy, which is the warm-up's
+        forward of max_batch_tokens: one slab holds the largest batch's planes and counts."""
+        limit = int(os.environ.get(PINNED_SLABS_ENV, self.PINNED_SLABS))
+        if self._slabs is None and limit > 0:
+            w, h = widths
+            per_token = 2 * (w + h) + 4  # two byte planes per value, and an int32 count per position
+            self._slabs = PinnedSlabs(self.max_batch_tokens * per_token + 8, limit).reserve(2)
+        return self._slabs
 
     def _finish_loop(self) -> None:
         import torch
@@ -516,7 +549,9 @@ class HFEngine:
             try:
                 done = marks["end"]
                 if staged.planes is not None:  # a capture (the benchmark's bare engine stages nothing)
-                    host, counts, done = self._copy_to_host(staged.planes, staged.nonfinite, marks["end"], marks)
+                    host, counts, done = self._copy_to_host(
+                        staged.planes, staged.nonfinite, marks["end"], staged.widths, marks
+                    )
                 t0 = time.monotonic()
                 done.synchronize()
                 t1 = time.monotonic()
@@ -524,7 +559,8 @@ class HFEngine:
                 self._device_time(marks, staged)
                 if staged.planes is not None:
                     # Copied: the device memory may go back to the pool.
-                    staged.planes, staged.nonfinite = host.numpy(), counts.numpy()
+                    staged.planes, staged.nonfinite = host, counts
+                    host = counts = None  # the captures alone hold the pinned memory, which goes back with them
                 self._resolve(staged)
                 self.timing["resolve"] += time.monotonic() - t1
             except Exception as e:  # noqa: BLE001
