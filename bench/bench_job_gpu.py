@@ -217,6 +217,7 @@ def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, de
         for r in as_completed([eng.submit(f"w{i}", p) for i, p in enumerate(prompts[:64])]):
             r.result().capture.release()
         for mode in ("capture", "capture+encode"):
+            eng.reset_stats()
             t0 = time.monotonic()
             jobs = []
             for f in as_completed([eng.submit(f"p{i}", p) for i, p in enumerate(prompts)]):
@@ -228,7 +229,12 @@ def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, de
             for j in jobs:
                 j.result()
             out[mode] = round(tokens / (time.monotonic() - t0), 1)
-            log(f"engine {mode}: {out[mode]:,.0f} tok/s")
+            st = eng.stats()
+            out[f"{mode} engine"] = st | {"us_per_padded_token": us_per_padded_token(st)}
+            log(
+                f"engine {mode}: {out[mode]:,.0f} tok/s, {us_per_padded_token(st)} us per padded token, "
+                f"layer excess {st.get('device_layer_excess_s')} s, lead under a layer {st.get('lead_under_a_layer')}"
+            )
     return out
 
 
@@ -529,7 +535,9 @@ def main() -> None:
         help="the job runs with the engine's default max_batch_tokens instead of the bare engine's best",
     )
     ap.add_argument("--engine-only", action="store_true", help="also time the capturing engine alone and with encoding")
-    ap.add_argument("--actors", default="1", help="runs: N or N@DIR (that run's output under DIR), comma separated")
+    ap.add_argument(
+        "--actors", default="1", help="runs: N or N@DIR (that run's output under DIR), comma separated; none: no job"
+    )
     ap.add_argument("--disk-test-gb", type=float, default=0.0, help="first measure each output directory's write rate")
     ap.add_argument(
         "--variant",
@@ -590,11 +598,13 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     runs = [
-        (int(a.split("@")[0]), Path(a.split("@")[1]) if "@" in a else args.work, "", ()) for a in args.actors.split(",")
+        (int(a.split("@")[0]), Path(a.split("@")[1]) if "@" in a else args.work, "", ())
+        for a in args.actors.split(",")
+        if a != "none"
     ]
     for v in args.variant:
         name, _, sets = v.partition(":")
-        runs.append((1, runs[0][1], name, tuple(sets.split(","))))
+        runs.append((1, runs[0][1] if runs else args.work, name, tuple(sets.split(","))))
     if args.disk_test_gb:
         result["disk"] = {str(root): disk_rate(root, args.disk_test_gb) for root in dict.fromkeys(r[1] for r in runs)}
         save()

@@ -7,8 +7,12 @@ and forward count for settings of max_padding and min_fill, no model and no devi
 The job's pattern: `--calls` caller batches of `--batch-size` requests are in flight (engine.batches_per_actor),
 each with its own order; a finished caller batch is replaced by the next. The host takes the next forward
 while the current one runs; a forward lasts its padded tokens / a fixed rate, so the device's time is the
-padded token count. Lengths are uniform in [min-len, max-len] with numpy's default_rng(seed), as
-bench_job_gpu.py draws its prompts. What it cannot say: how much a smaller forward costs on a real device.
+padded token count. Lengths are uniform (or log-uniform) in [min-len, max-len] with numpy's default_rng(seed).
+
+What a forward costs on a device: with --host-ms and --device-us each forward lasts
+max(padded tokens x device-us, host-ms): the host needs about the same time to launch a forward of any size
+(bench/results/forward_gap_h200.json: ~120-180 ms for a 36-layer 8B decoder from transformers), so a forward
+whose device time is shorter leaves the device waiting on the host. `seconds` is that sum.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import actors.hf.engine as hf  # noqa: E402
 from actors.hf.batching import BatchPolicy, take_batch  # noqa: E402
 
 
-def simulate(lengths: list[int], batch_size: int, calls: int, policy: BatchPolicy) -> dict:
+def simulate(
+    lengths: list[int], batch_size: int, calls: int, policy: BatchPolicy, host_ms: float = 0.0, device_us: float = 0.0
+) -> dict:
     batches = [lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
     pool: list[hf._Request] = []
     left: dict[int, int] = {}
@@ -45,6 +51,7 @@ def simulate(lengths: list[int], batch_size: int, calls: int, policy: BatchPolic
     for _ in range(min(calls, len(batches))):
         submit()
     padded = forwards = 0
+    seconds = 0.0
     running: list[hf._Request] = []
     while pool or running:
         nxt = take_batch(pool, policy) if pool else []  # taken while the current forward runs
@@ -56,8 +63,12 @@ def simulate(lengths: list[int], batch_size: int, calls: int, policy: BatchPolic
         if nxt:
             padded += len(nxt[0].ids) * len(nxt)
             forwards += 1
+            seconds += max(len(nxt[0].ids) * len(nxt) * device_us / 1e6, host_ms / 1000)
         running = nxt
-    return {"padding": round(padded / sum(lengths) - 1, 4), "forwards": forwards}
+    out = {"padding": round(padded / sum(lengths) - 1, 4), "forwards": forwards}
+    if device_us:
+        out |= {"seconds": round(seconds, 2), "tok_s": round(sum(lengths) / seconds, 1)}
+    return out
 
 
 def main() -> None:
@@ -69,38 +80,51 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--max-batch-tokens", type=int, default=65536)
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--lengths", choices=("uniform", "loguniform"), default="uniform")
+    ap.add_argument("--host-ms", type=float, default=0.0, help="host time to launch one forward, any size")
+    ap.add_argument("--device-us", type=float, default=0.0, help="device microseconds per padded token")
+    ap.add_argument("--min-fills", default="0.25,0.125,0.0625")
+    ap.add_argument("--max-paddings", default="0.03,0.02,0.015")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "take_simulation.json")
     args = ap.parse_args()
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    draws = {
-        s: [int(x) for x in np.random.default_rng(s).integers(args.min_len, args.max_len + 1, args.prompts)]
-        for s in seeds
-    }
+
+    def draw(seed: int) -> list[int]:
+        rng = np.random.default_rng(seed)
+        if args.lengths == "loguniform":
+            lo, hi = np.log(args.min_len), np.log(args.max_len)
+            return [int(round(np.exp(x))) for x in rng.uniform(lo, hi, args.prompts)]
+        return [int(x) for x in rng.integers(args.min_len, args.max_len + 1, args.prompts)]
+
+    draws = {s: draw(s) for s in seeds}
+    cost = {"host_ms": args.host_ms, "device_us": args.device_us}
     runs = []
-    for max_padding in (0.03, 0.02, 0.015):
-        for min_fill in (0.25, 0.125, 0.0625):
+    for max_padding in [float(x) for x in args.max_paddings.split(",")]:
+        for min_fill in [float(x) for x in args.min_fills.split(",")]:
             policy = BatchPolicy(args.max_batch_tokens, max_padding, min_fill)
-            per_seed = [simulate(draws[s], args.batch_size, args.calls, policy) for s in seeds]
+            per_seed = [simulate(draws[s], args.batch_size, args.calls, policy, **cost) for s in seeds]
             runs.append({"max_padding": max_padding, "min_fill": min_fill, "per_seed": per_seed})
     # The bare engine's pattern: every request at once, one order.
-    bare = [simulate(draws[s], args.prompts, 1, BatchPolicy(args.max_batch_tokens, 0.03, 0.125)) for s in seeds]
+    bare = [simulate(draws[s], args.prompts, 1, BatchPolicy(args.max_batch_tokens, 0.03, 0.125), **cost) for s in seeds]
     result = {
         "benchmark": "take_batch simulated on the job's request pattern (no model, no device)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "command": shlex.join(["python", "bench/sim_take.py"] + sys.argv[1:]),
         "pattern": {
-            k: getattr(args, k) for k in ("prompts", "min_len", "max_len", "batch_size", "calls", "max_batch_tokens")
+            k: getattr(args, k)
+            for k in ("prompts", "min_len", "max_len", "lengths", "batch_size", "calls", "max_batch_tokens")
         },
         "seeds": seeds,
+        "cost_model": cost if args.device_us else None,
         "job_pattern": runs,
         "bare_pattern_max_padding_0.03_min_fill_0.125": bare,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for r in runs:
-        print(r["max_padding"], r["min_fill"], [(p["padding"], p["forwards"]) for p in r["per_seed"]])
-    print("bare pattern", [(p["padding"], p["forwards"]) for p in bare])
+        print(r["max_padding"], r["min_fill"], [(p["padding"], p["forwards"], p.get("tok_s")) for p in r["per_seed"]])
+    print("bare pattern", [(p["padding"], p["forwards"], p.get("tok_s")) for p in bare])
 
 
 if __name__ == "__main__":

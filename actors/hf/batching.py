@@ -23,8 +23,23 @@ class BatchPolicy:
     max_batch_tokens: int
     # Most padded tokens a forward may carry, as a share of its real ones.
     max_padding: float = 0.03
-    # Below this share of max_batch_tokens a forward fills whatever the padding.
+    # Below this share of max_batch_tokens a forward fills whatever the padding. On CUDA the engine sets it
+    # from its warm-up (fill_share): below it a forward is done before the host has launched it.
     min_fill: float = 0.125
+
+
+def fill_share(host_launch_s: float, device_s_per_token: float, max_batch_tokens: int) -> float:
+    """The fill floor as a share of max_batch_tokens: the forward size whose device time equals the host's
+    time to launch a forward, within [1/8, 1/2].
+
+    The host needs about the same time to launch a forward of any size (every layer's kernels, from Python:
+    ~130 ms for a 36-layer 8B decoder on the H200's host, bench/results/forward_gap_h200.json), while the
+    device's time grows with the tokens. A smaller forward leaves the device waiting on the host, so up to
+    this size padding is free: the device would have waited anyway. Half the budget at most, so that a
+    slow host does not turn every forward into padding; an eighth at least, the floor before it was measured."""
+    if host_launch_s <= 0 or device_s_per_token <= 0 or max_batch_tokens <= 0:
+        return BatchPolicy.min_fill
+    return min(0.5, max(0.125, host_launch_s / device_s_per_token / max_batch_tokens))
 
 
 def take_batch(pool: list[R], policy: BatchPolicy) -> list[R]:

@@ -49,7 +49,7 @@ import numpy as np
 
 from actors.dump import Capture, CaptureHeader
 from actors.engine import EngineDied, RequestResult
-from actors.hf.batching import BatchPolicy, take_batch
+from actors.hf.batching import BatchPolicy, fill_share, take_batch
 from actors.hf.decoder import Decoder
 from actors.hf.pinned import PinnedSlabs
 from actors.hf.staging import TritonStager, plane_offsets, stage_torch
@@ -163,6 +163,7 @@ class HFEngine:
         self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation, final_layer)
         self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
+        self.min_fill = BatchPolicy.min_fill  # on CUDA measured at the warm-up (_warm_up, fill_share)
         self.cpu_threads = cpu_threads
         self.warmup = warmup  # None: on CUDA only (see _warm_up)
         self._pending: list[_Request] = []
@@ -243,7 +244,7 @@ class HFEngine:
 
     @property
     def policy(self) -> BatchPolicy:
-        return BatchPolicy(self.max_batch_tokens)
+        return BatchPolicy(self.max_batch_tokens, min_fill=self.min_fill)
 
     @property
     def base(self):
@@ -278,7 +279,34 @@ class HFEngine:
                 f"engine.max_batch_tokens={self.max_batch_tokens} does not fit on {self.device}: a forward of {n} x {length} "
                 f"tokens ran out of memory; lower engine.max_batch_tokens"
             )
+        if self.cuda:
+            per_token = self.timing["device_forward"] / max(self.padded_tokens, 1)
+            launch = self._launch_seconds()
+            self.min_fill = fill_share(launch, per_token, self.max_batch_tokens)
+            logger.info(
+                "hf engine: the host launches a forward in %.0f ms, the device runs %.1f us a padded token: "
+                "forwards fill to %d tokens before the padding cap applies",
+                1000 * launch,
+                1e6 * per_token,
+                self.min_fill * self.max_batch_tokens,
+            )
         self.reset_stats()
+
+    def _launch_seconds(self, length: int = 256) -> float:
+        """The host's time to launch one small forward (the best of two, each alone): on CUDA nothing in a
+        forward waits for the device, so this is the Python and launch work every forward costs."""
+        took = []
+        for i in range(2):
+            before = self.timing["forward"]
+            res = self.submit(
+                f"warm-up-launch-{i}", [i % self.vocab_size] * min(length, self.max_batch_tokens)
+            ).result()
+            if res.capture is not None:
+                res.capture.release()
+            if res.error:
+                raise RuntimeError(f"hf engine warm-up (one forward of {length} tokens) failed: {res.error}")
+            took.append(self.timing["forward"] - before)
+        return min(took)
 
     def reset_stats(self) -> None:
         """Counters from zero (after a warm-up); call with no request in flight."""
@@ -301,6 +329,7 @@ class HFEngine:
             "staging": "triton" if isinstance(self._stager, TritonStager) else "torch",
             **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
             **({"lead_under_a_layer": self.lead_under_a_layer} if self.cuda else {}),
+            "fill_floor_tokens": int(self.min_fill * self.max_batch_tokens),
             # Batches that found no free pinned slab and allocated their own (CUDA).
             **({"pinned_slabs": self._slabs.allocated, "pinned_misses": self._slabs.misses} if self._slabs else {}),
             "first_forward_unix": self.first_forward_unix,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.engine import EngineDied
-from actors.hf.batching import BatchPolicy, take_batch
+from actors.hf.batching import BatchPolicy, fill_share, take_batch
 from actors.hf.engine import HFEngine, _ids_sha256, _Request, _Staged, layer_excess_ms
 from actors.hf.reference import ReferenceStates
 from actors.validate import check_capture
@@ -384,6 +384,27 @@ def test_take_stops_filling_where_padding_would_pass_the_cap():
     assert [r.key for r in eng._take(pool)] == ["p100", "p99", "p60"]
     assert [r.key for r in eng._take(pool)] == ["p58", "p57"]
     assert eng.policy.max_padding == 0.03
+
+
+def test_the_fill_floor_is_the_forward_whose_device_time_equals_the_hosts_launch():
+    # 130 ms to launch, 31.4 us a padded token on the device: 4,140 tokens, a quarter of 16,384.
+    assert fill_share(0.130, 31.4e-6, 16384) == pytest.approx(4140 / 16384, rel=1e-3)
+    assert fill_share(0.130, 31.4e-6, 65536) == 0.125  # never below the unmeasured floor
+    assert fill_share(2.0, 31.4e-6, 16384) == 0.5  # a slow host does not turn every forward into padding
+    assert fill_share(0.0, 31.4e-6, 16384) == BatchPolicy.min_fill  # nothing measured
+    assert fill_share(0.1, 0.0, 16384) == BatchPolicy.min_fill
+
+
+def test_the_engines_batches_fill_to_its_measured_floor():
+    eng = HFEngine("unused", (1,), device="cpu", max_batch_tokens=1000)
+    assert eng.policy.min_fill == BatchPolicy.min_fill
+    eng.min_fill = 0.5  # as _warm_up sets it on CUDA
+    pool = [_req(k, n, 0) for k, n in (("p100", 100), ("p60", 60), ("p58", 58), ("p57", 57), ("p56", 56))]
+    # Past the padding cap from p60 on, but the forward fills on until it holds 500 padded tokens.
+    assert [r.key for r in take_batch(pool, eng.policy)] == ["p100", "p60", "p58", "p57", "p56"]
+    lengths = (("p100", 100), ("p60", 60), ("p58", 58), ("p57", 57), ("p56", 56))
+    # The unmeasured floor (125 tokens) lets p60 in and stops at p58.
+    assert [r.key for r in take_batch([_req(k, n, 0) for k, n in lengths], BatchPolicy(1000))] == ["p100", "p60"]
 
 
 def test_requests_of_one_caller_batch_complete_before_a_later_batch_of_longer_requests(engine):
