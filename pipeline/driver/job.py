@@ -68,6 +68,7 @@ def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
             id_field=cfg.input.id_field,
             turns=cfg.extract.turns,
             template_kwargs=dict(cfg.extract.template_kwargs),
+            vocab_size=plan.tokenizer_size,
         ),
         batch_format="pyarrow",
         batch_size=256,

@@ -14,7 +14,7 @@ from pipeline.driver import support
 from pipeline.format.final_norm import FinalNormError, read_final_norm
 from pipeline.format.shards import ShardLayout
 from pipeline.intake import model as model_lib
-from pipeline.intake.tokenize import fingerprint_tokenizer
+from pipeline.intake.tokenize import tokenizer_facts
 
 
 class PlanError(ValueError):
@@ -28,6 +28,8 @@ class Plan:
     cuda: bool
     settings: dict  # everything that changes the bytes of a sample
     support: dict = field(default_factory=dict)  # what pipeline/driver/support.py knows of this family here
+    # len(tokenizer): the bound for rows given as token ids (the tokenize stage then never loads the tokenizer).
+    tokenizer_size: int | None = None
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -59,7 +61,8 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         raise PlanError(f"model.path {cfg.model.path!r} cannot be used: {type(e).__name__}: {e}") from None
     try:
         n_layers, hidden = model_lib.num_hidden_layers(model_dir), model_lib.hidden_size(model_dir)
-        fingerprints = {"model_sha256": model_lib.model_fingerprint(model_dir), **fingerprint_tokenizer(model_dir)}
+        hashes, tokenizer_size = tokenizer_facts(model_dir)
+        fingerprints = {"model_sha256": model_lib.model_fingerprint(model_dir), **hashes}
     except (OSError, ValueError, KeyError) as e:
         raise PlanError(f"model.path {cfg.model.path!r} cannot be used: {type(e).__name__}: {e}") from None
     aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
@@ -95,4 +98,4 @@ def make_plan(cfg: HarvestConfig, gpus_available: float) -> Plan:
         "turns": cfg.extract.turns,
         "template_kwargs": dict(cfg.extract.template_kwargs),
     }
-    return Plan(model_dir, layout, cuda, settings, known)
+    return Plan(model_dir, layout, cuda, settings, known, tokenizer_size)

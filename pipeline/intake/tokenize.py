@@ -42,14 +42,43 @@ REQUIRED_COLUMNS = ("source", "line")
 
 
 class ChatTokenizer:
-    def __init__(self, model_dir: str | Path, template_kwargs: dict | None = None, chat_template: str | None = None):
-        from transformers import AutoTokenizer
+    """The target's tokenizer and chat encoder, loaded on first use.
 
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        if chat_template is not None:
-            self.tok.chat_template = chat_template
-        self.vocab_size = len(self.tok)
-        self.chat = ChatEncoder(self.tok, TemplateRenderer(self.tok, template_kwargs))
+    Rows that arrive as token ids need only the vocabulary's size; with `vocab_size` given (the driver knows
+    it from planning) a stage that only sees such rows never loads the tokenizer, which takes seconds per
+    process (transformers' import and the tokenizer files) against milliseconds for the rows themselves."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        template_kwargs: dict | None = None,
+        chat_template: str | None = None,
+        vocab_size: int | None = None,
+    ):
+        self.model_dir, self.template_kwargs, self.chat_template = str(model_dir), template_kwargs, chat_template
+        self._vocab_size = vocab_size
+        self._tok = self._chat = None
+
+    @property
+    def tok(self):
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_dir)
+            if self.chat_template is not None:
+                tok.chat_template = self.chat_template
+            self._tok = tok
+        return self._tok
+
+    @property
+    def chat(self) -> ChatEncoder:
+        if self._chat is None:
+            self._chat = ChatEncoder(self.tok, TemplateRenderer(self.tok, self.template_kwargs))
+        return self._chat
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size if self._vocab_size is not None else len(self.tok)
 
     def encode(self, sample: Sample) -> tuple[list[int], list[int]]:
         """One sample's (ids, mask); a chat row is rendered whole (`full`)."""
@@ -71,6 +100,11 @@ class ChatTokenizer:
 
 def fingerprint_tokenizer(model_dir: str | Path) -> dict[str, str]:
     """Hashes that change when tokenization would change: tokenizer files and the chat template."""
+    return tokenizer_facts(model_dir)[0]
+
+
+def tokenizer_facts(model_dir: str | Path) -> tuple[dict[str, str], int]:
+    """(fingerprint_tokenizer's hashes, the tokenizer's size): one load of the tokenizer for both."""
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt"):
@@ -78,8 +112,10 @@ def fingerprint_tokenizer(model_dir: str | Path) -> dict[str, str]:
             h.update(name.encode() + (model_dir / name).read_bytes())
     from transformers import AutoTokenizer
 
-    template = AutoTokenizer.from_pretrained(str(model_dir)).chat_template or ""
-    return {"tokenizer_sha256": h.hexdigest(), "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()}
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    template = tok.chat_template or ""
+    hashes = {"tokenizer_sha256": h.hexdigest(), "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()}
+    return hashes, len(tok)
 
 
 class Tokenize:
@@ -94,8 +130,9 @@ class Tokenize:
         turns: str = "auto",
         template_kwargs: dict | None = None,
         chat_template: str | None = None,
+        vocab_size: int | None = None,
     ):
-        self.tokenizer = ChatTokenizer(model_dir, template_kwargs, chat_template)
+        self.tokenizer = ChatTokenizer(model_dir, template_kwargs, chat_template, vocab_size)
         self.max_tokens = max_tokens
         self.overlength = overlength
         self.id_field = id_field

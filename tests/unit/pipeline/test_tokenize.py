@@ -159,3 +159,19 @@ def test_call_names_missing_columns(tokenize):
         tokenize(pa.table({"source": ["f:1"], "text": ["x"]}))
     with pytest.raises(KeyError, match=r"\['source', 'line'\]"):
         tokenize(pa.table({"other": [1]}))
+
+
+def test_rows_of_token_ids_never_load_the_tokenizer_when_its_size_is_known(model_dir):
+    """The driver passes the tokenizer's size: a stage that only sees token-id rows skips the seconds-long load."""
+    from pipeline.intake.tokenize import tokenizer_facts
+
+    hashes, size = tokenizer_facts(model_dir)
+    assert set(hashes) == {"tokenizer_sha256", "chat_template_sha256"} and size > 1000
+    stage = Tokenize(str(model_dir), max_tokens=2048, overlength="reject", vocab_size=size)
+    [ok] = stage.tokenize_line("f:1", json.dumps({"id": "a", "input_ids": [1, size - 1]}))
+    [bad] = stage.tokenize_line("f:2", json.dumps({"id": "b", "input_ids": [1, size]}))
+    assert ok["status"] == "ok" and bad["status"] == "error" and f"[0, {size})" in bad["reason"]
+    assert stage.tokenizer._tok is None  # never loaded
+    # A chat row still renders through the template, which loads the tokenizer then.
+    [chat] = stage.tokenize_line("f:3", json.dumps({"messages": [u("hi"), {"role": "assistant", "content": "yo"}]}))
+    assert chat["status"] == "ok" and stage.tokenizer._tok is not None and stage.tokenizer.vocab_size == size
