@@ -63,6 +63,7 @@ class HiddenStateExtractor:
         retries: int,
         encode_threads: int | None = None,
     ):
+        self.init_unix = time.time()  # when Ray had this actor's process up and running its code
         self.layout = layout
         self.retries = retries
         self.store = Store(output_url)
@@ -99,6 +100,8 @@ class HiddenStateExtractor:
             results = self._commit(rows, failed, latency, shard)
         self.metrics.record(results)
         counters = self.engine.stats()
+        if counters.get("start") is not None:  # where this actor's start went, for the driver's start-up line
+            counters["start"] = dict(counters["start"], actor_init_unix=self.init_unix, ready_unix=self.ready_unix)
         engine_stats = json.dumps(counters) if counters else ""
         for r in results:
             r.update(

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import sys
+import time
 
 from conf import ConfigError, load_config
 from pipeline.driver.budget import InsufficientSpace
@@ -31,14 +32,16 @@ def _setup_logging() -> None:
     )
 
 
-def _init_ray(cfg) -> None:
+def _init_ray(cfg) -> float | None:
+    """Starts or joins the cluster; the seconds it took, or None when this process already had Ray."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray Data's per-operator progress in non-interactive logs (ray job logs), at the job's interval.
     os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", str(max(1, int(cfg.progress.interval_s))))
     import ray
 
     if ray.is_initialized():  # embedded in a process that already chose its cluster (tests, notebooks)
-        return
+        return None
+    t0 = time.monotonic()
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"log_to_driver": True}
     if address:
@@ -50,13 +53,14 @@ def _init_ray(cfg) -> None:
     ray.init(**kwargs)
     # Bars on a terminal; elsewhere the logged per-operator lines above.
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
+    return time.monotonic() - t0
 
 
 def cmd_run(args) -> int:
 
     cfg = load_config(args.config, args.set or [])
-    _init_ray(cfg)
-    summary = run(cfg, retry_errors=args.retry_errors)
+    ray_s = _init_ray(cfg)
+    summary = run(cfg, retry_errors=args.retry_errors, ray_start_s=ray_s)
     t = summary.totals
     p = summary.this_run
     samples = t.get("samples", t["input_rows"])

@@ -201,6 +201,7 @@ class HFEngine:
         # they split a run into waiting for work, the device's span and what came after it.
         self.first_forward_unix: float | None = None
         self.last_done_unix: float | None = None
+        self.phases: dict[str, float] = {}  # where start() went: load_s (weights, device), warm_up_s
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -231,12 +232,14 @@ class HFEngine:
             self._finisher.start()
         self._worker = threading.Thread(target=self._work_loop, name="hf-engine-forward", daemon=True)
         self._worker.start()
+        loaded = time.monotonic()
         if self.cuda if self.warmup is None else self.warmup:
             try:
                 self._warm_up()
             except BaseException:
                 self.close()
                 raise
+        self.phases = {"load_s": round(loaded - t0, 3), "warm_up_s": round(time.monotonic() - loaded, 3)}
         logger.info(
             "hf engine: %s on %s in %s, ready in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0
         )
@@ -334,6 +337,7 @@ class HFEngine:
             **({"pinned_slabs": self._slabs.allocated, "pinned_misses": self._slabs.misses} if self._slabs else {}),
             "first_forward_unix": self.first_forward_unix,
             "last_done_unix": self.last_done_unix,
+            "start": dict(self.phases),
         }
 
     def close(self) -> None:

@@ -178,8 +178,8 @@ class SGLangEngine:
         self.close()
 
     def stats(self) -> dict:
-        """The server keeps its own counters (its metrics endpoint); this engine keeps none."""
-        return {}
+        """Where the server's start went (the server keeps its own request counters, on its metrics endpoint)."""
+        return {"start": dict(self.server.phases)} if self.server.phases else {}
 
     def healthy(self) -> bool:
         return self.server.alive()

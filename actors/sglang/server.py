@@ -204,6 +204,7 @@ class SGLangServer:
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
         self._log_path = spec.dump_dir / "server.log"
+        self.phases: dict[str, float] = {}  # the last start's seconds: load_s, warm_up_s (_wait_ready)
 
     @property
     def url(self) -> str:
@@ -229,14 +230,23 @@ class SGLangServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.spec.startup_timeout_s
+        """Until /health passes. On the way, when the HTTP server first answers: SGLang starts it once the
+        scheduler has loaded the model, so that splits the start into loading and the first generation
+        (`phases`: load_s, warm_up_s)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.spec.startup_timeout_s
+        loaded = None
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise EngineDied(f"SGLang server exited with {self._proc.returncode} during start:\n{self.log_tail()}")
-            if self.healthy(timeout=2.0):
-                logger.info("SGLang server ready on %s (pid %d)", self.url, self._proc.pid)
+            if loaded is None and self.alive(timeout=2.0):
+                loaded = time.monotonic()
+            if loaded is not None and self.healthy(timeout=2.0):
+                now = time.monotonic()
+                self.phases = {"load_s": round(loaded - t0, 3), "warm_up_s": round(now - loaded, 3)}
+                logger.info("SGLang server ready on %s (pid %d): %s", self.url, self._proc.pid, self.phases)
                 return
-            time.sleep(1.0)
+            time.sleep(0.5 if loaded is None else 0.2)
         self.close()
         raise EngineDied(f"SGLang server not ready after {self.spec.startup_timeout_s:.0f}s:\n{self.log_tail()}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ from pipeline.driver import support
 from pipeline.driver.budget import check_budget
 from pipeline.driver.plan import Plan
 from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
-from pipeline.driver.progress import Progress
+from pipeline.driver.progress import Progress, startup, startup_line
+from pipeline.driver.quiet import spend_actor_restart_notice
 from pipeline.format.errors import (
     DUPLICATES,
     ERROR_DIR,
@@ -196,10 +198,11 @@ class Work:
         return sum(s in self.duplicates for s in self.index["source"].to_pylist())
 
 
-def run(cfg: HarvestConfig, retry_errors: bool = False) -> RunSummary:
+def run(cfg: HarvestConfig, retry_errors: bool = False, ray_start_s: float | None = None) -> RunSummary:
     """The whole job; refuses (PreflightError, OutputLocked) before any extraction when it cannot work.
 
     retry_errors: samples whose committed error is transient (engine/extract stage) run again.
+    ray_start_s: how long the caller's ray.init took (the start-up line's first part), if it started Ray.
     """
     import ray
 
@@ -207,29 +210,40 @@ def run(cfg: HarvestConfig, retry_errors: bool = False) -> RunSummary:
     check_gpus(cfg, plan.cuda, cluster_gpus_per_node())
     store = Store(cfg.output.path)
     with lock_output(store):
-        return _run_locked(cfg, plan, store, retry_errors)
+        return _run_locked(cfg, plan, store, retry_errors, ray_start_s)
 
 
-def _run_locked(cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool) -> RunSummary:
+def _run_locked(
+    cfg: HarvestConfig, plan: Plan, store: Store, retry_errors: bool, ray_start_s: float | None = None
+) -> RunSummary:
     import ray.data
 
     # A stage that raises (storage full or gone) fails the run with its own exception, not Ray Data's wrapper
     # whose cause is lost on the way to the driver: the CLI names the real cause in its one line. Set before
     # any dataset is built: a dataset keeps the context it was created with.
     ray.data.DataContext.get_current().raise_original_map_exception = True
+    spend_actor_restart_notice()
     existing = _open_output(store, plan, retry_errors)
     manifest = base_manifest(cfg.output.path, plan.settings, provenance(cfg, plan), cfg.model_dump(mode="json"))
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
+    t0 = time.monotonic()
     tokenized = tokenized_dataset(cfg, plan).materialize()
-    work = _decide_work(cfg, plan, store, index_of(tokenized))
+    index = index_of(tokenized)
+    read_s = time.monotonic() - t0
+    work = _decide_work(cfg, plan, store, index)
     manifest["conversations"] = {k: v for k, v in work.conversations.items() if k != "plan"}
     check_budget(store, plan.layout, work.tokens, work.masked, cfg.output.check_free_space)
     progress = Progress(work.rows, work.tokens, cfg.progress.interval_s)
     reasons: Counter = Counter()
+    extract_started = time.time()
     if work.rows:
         _extract(cfg, plan, tokenized, set(work.duplicates), work.done, progress, reasons)
+    start = startup(ray_start_s, read_s, extract_started, progress.actors)
+    logger.info("%s", startup_line(start))
     totals = _totals(store, work)
-    write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=_last_run(progress)))
+    write_manifest(
+        store, dict(manifest, status="complete", totals=totals, last_run=_last_run(progress) | {"startup": start})
+    )
     return RunSummary(totals, progress, reasons.most_common(5), store.display())
 
 

@@ -116,3 +116,34 @@ class Progress:
         if force or now - self._last_log >= self.interval_s:
             self._last_log = now
             logger.info("%s", self.line())
+
+
+def startup(ray_s: float | None, read_s: float, extract_started_unix: float, actors: dict) -> dict:
+    """Where a run's start-up went, in seconds: Ray's start (None when the process came with Ray running),
+    reading and tokenizing the input, and for the actor whose engine was ready last: Ray placing it and
+    starting its process (up to its first line of code), the engine's load and its warm-up. From the
+    engines' own `start` counters (actors/extractor.py)."""
+    starts = [(a.get("engine") or {}).get("start") or {} for a in actors.values()]
+    starts = [s for s in starts if s.get("ready_unix")]
+    out: dict = {"ray_s": None if ray_s is None else round(ray_s, 3), "read_and_tokenize_s": round(read_s, 3)}
+    if starts:
+        last = max(starts, key=lambda s: s["ready_unix"])
+        out |= {
+            "actor_s": round(max(0.0, last["actor_init_unix"] - extract_started_unix), 3),
+            "engine_load_s": last.get("load_s"),
+            "warm_up_s": last.get("warm_up_s"),
+            "engines_ready_after_s": round(last["ready_unix"] - extract_started_unix, 3),
+        }
+    return out
+
+
+def startup_line(s: dict) -> str:
+    parts = [
+        f"Ray {s['ray_s']:.1f} s" if s.get("ray_s") is not None else "Ray already running",
+        f"read and tokenize {s['read_and_tokenize_s']:.1f} s",
+    ]
+    if "actor_s" in s:
+        parts += [f"actor {s['actor_s']:.1f} s"]
+        parts += [f"engine load {s['engine_load_s']:.1f} s"] if s.get("engine_load_s") is not None else []
+        parts += [f"warm-up {s['warm_up_s']:.1f} s"] if s.get("warm_up_s") is not None else []
+    return "start-up: " + ", ".join(parts) + " (the engine ready last)" * ("actor_s" in s)

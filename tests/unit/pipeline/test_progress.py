@@ -108,3 +108,34 @@ def test_rate_after_engine_start_and_per_actor_shares(clock, monkeypatch):
     assert p.actors["b:2"]["engine"] == {"forwards": 9, "idle_s": 1.0}
     # 300 committed tokens from the first engine up (t=1000) to the last result (t=1020); errors add nothing.
     assert p.tokens_per_second_after_engine_start() == pytest.approx(15.0)
+
+
+def test_startup_names_each_part_for_the_engine_ready_last():
+    from pipeline.driver.progress import startup, startup_line
+
+    t = 1_000.0
+    actors = {
+        "h:1": {
+            "engine": {"start": {"actor_init_unix": t + 2, "ready_unix": t + 20, "load_s": 15.0, "warm_up_s": 3.0}}
+        },
+        "h:2": {
+            "engine": {"start": {"actor_init_unix": t + 5, "ready_unix": t + 30, "load_s": 20.0, "warm_up_s": 5.0}}
+        },
+        "h:3": {"engine": {"forwards": 3}},  # an engine that reports no start: left out
+    }
+    s = startup(4.2, 8.05, t, actors)
+    assert s == {
+        "ray_s": 4.2,
+        "read_and_tokenize_s": 8.05,
+        "actor_s": 5.0,
+        "engine_load_s": 20.0,
+        "warm_up_s": 5.0,
+        "engines_ready_after_s": 30.0,
+    }
+    line = startup_line(s)
+    assert line == (
+        "start-up: Ray 4.2 s, read and tokenize 8.1 s, actor 5.0 s, engine load 20.0 s, warm-up 5.0 s "
+        "(the engine ready last)"
+    )
+    # Ray already running in the process (tests, notebooks), and no engine reported yet (nothing to extract).
+    assert startup_line(startup(None, 1.0, t, {})) == "start-up: Ray already running, read and tokenize 1.0 s"
