@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ def spend_actor_restart_notice() -> None:
         def __init__(self, _arg):
             pass
 
+        def ready(self) -> bool:
+            return True
+
     arg = ray.put(None)  # passed by reference: the condition of the notice
     sys.stderr.flush()
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -43,4 +47,16 @@ def spend_actor_restart_notice() -> None:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
-    del actor  # out of scope: Ray cancels its creation (ray.kill on an actor not placed yet logs an error)
+    # Ended once it is up: ending an actor whose creation is still under way makes the GCS log an error
+    # of its own. Waited for on a thread: its process starts beside the job's work, never before it.
+    threading.Thread(target=_end_when_up, args=(actor,), name="spent-notice-actor", daemon=True).start()
+
+
+def _end_when_up(actor) -> None:
+    import ray
+
+    try:
+        ray.get(actor.ready.remote(), timeout=120)
+    except Exception as e:  # noqa: BLE001 - a cluster too busy to place it: it is ended all the same
+        logger.debug("throwaway actor not up: %s", e)
+    ray.kill(actor)
