@@ -208,6 +208,7 @@ def test_a_server_start_that_fails_is_tried_once_more_then_gives_up(monkeypatch,
         return start
 
     kwargs = {"model_dir": Path("/models/m"), "aux_layers": (1,), "startup_timeout_s": 1.0}
+    monkeypatch.setattr(engine_mod.SGLangEngine, "_warm_up", lambda self: None)  # no server to warm
     monkeypatch.setattr(engine_mod.SGLangServer, "start", failing_start(1))
     engine = engine_mod.SGLangEngine(kwargs, max_in_flight=2, request_timeout_s=5).start()
     engine.close()

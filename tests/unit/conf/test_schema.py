@@ -153,7 +153,7 @@ def test_extract_turns_and_template_kwargs(default_yaml):
 
 def test_each_engine_has_its_own_knobs_and_defaults(default_yaml):
     sglang = load_config(default_yaml)
-    assert sglang.engine.name == "sglang" and sglang.engine.max_in_flight == 8
+    assert sglang.engine.name == "sglang" and sglang.engine.max_in_flight == 16
     assert (sglang.engine.batches(False), sglang.batch_size(False)) == (2, 32)
     hf = load_config(default_yaml, ["engine.name=hf"])  # the default config runs on the hf engine as is
     assert hf.engine.max_batch_tokens == 16384 and not hasattr(hf.engine, "max_in_flight")
