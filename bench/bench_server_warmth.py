@@ -1,0 +1,84 @@
+"""How a CPU SGLang capture server's rate depends on what it has run before: new prompts against repeated ones.
+
+  python bench/bench_server_warmth.py [--prompts 150] [--windows 8,16] [--out bench/results/server_warmth_cpu.json]
+
+For each window, a fresh capturing engine (actors/sglang/engine.py, its warm-up included) captures, in turn:
+set A (log-uniform 48-1,024 tokens, as bench_throughput's short set), set B (the same lengths' distribution,
+other prompts), and set A again. A job sees every prompt once, so its server runs at the rate of new prompts;
+a benchmark that sweeps windows over the same prompts measures later windows on prompts the server has run
+(the kernels' per-shape primitives are built), which reads faster than any job can be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actors.sglang.engine import SGLangEngine  # noqa: E402
+from bench.bench_throughput import machine  # noqa: E402
+from pipeline.driver.plan import default_aux_layers  # noqa: E402
+from pipeline.intake.model import num_hidden_layers, prepare_default_model  # noqa: E402
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = [int(round(math.exp(rng.uniform(math.log(48), math.log(1024))))) for _ in range(n)]
+    return [rng.integers(100, 49_000, size=k).tolist() for k in lengths]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=150)
+    ap.add_argument("--windows", default="8,16")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "server_warmth_cpu.json")
+    args = ap.parse_args()
+    model = prepare_default_model()
+    spec = {
+        "model_dir": str(model),
+        "aux_layers": default_aux_layers(num_hidden_layers(model)),
+        "final_layer": "pre_norm",
+        "cpu": True,
+        "cpu_threads": 2,
+        "extra_flags": (),
+    }
+    sets = {"A": prompts(args.prompts, 0), "B": prompts(args.prompts, 1)}
+    runs = {}
+    for window in [int(w) for w in args.windows.split(",")]:
+        rates = []
+        with SGLangEngine(spec, max_in_flight=window, request_timeout_s=600, dump_timeout_s=30) as engine:
+            for name in ("A", "B", "A"):
+                t0 = time.perf_counter()
+                res = engine.capture([(f"{name}{len(rates)}-{i}", ids) for i, ids in enumerate(sets[name])])
+                took = time.perf_counter() - t0
+                for r in res.values():
+                    assert r.error is None, r.error
+                    r.capture.release()
+                rates.append({"set": name, "tok_s": round(sum(map(len, sets[name])) / took, 1)})
+                print(f"window {window}, set {name}: {rates[-1]['tok_s']:,.0f} tok/s", flush=True)
+        runs[str(window)] = rates
+    result = {
+        "benchmark": "a CPU capture server on new prompts against prompts it has run (after the engine's warm-up)",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": shlex.join(["python", "bench/bench_server_warmth.py"] + sys.argv[1:]),
+        "machine": machine(),
+        "prompts_per_set": args.prompts,
+        "tokens": {k: sum(map(len, v)) for k, v in sets.items()},
+        "passes_by_window": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
