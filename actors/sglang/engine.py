@@ -150,7 +150,7 @@ class SGLangEngine:
         return self
 
     def _warm_up(self) -> None:
-        """Two windows of synthetic prompts (lengths log-uniform in 32..1,024, fixed) through the server before
+        """One window of synthetic prompts (lengths log-uniform in 32..512, fixed) through the server before
         the engine counts as started. SGLang's own warm-up is one token; on a CPU the first passes over new
         batch shapes also build the kernels' primitives, and a job's first batch ran ~10 % slower than the same
         server after other prompts (bench/results/throughput_cpu_bf16.json). Their request ids lack the capture
@@ -158,7 +158,7 @@ class SGLangEngine:
         below 1,000 exist in every vocabulary. A failure here is logged, not raised: the job's own requests
         say whether the server works."""
         rng = random.Random(0)
-        lengths = [int(32 * 32 ** rng.random()) for _ in range(2 * self.max_in_flight)]
+        lengths = [int(32 * 16 ** rng.random()) for _ in range(self.max_in_flight)]
         t0 = time.monotonic()
 
         async def one(i: int, n: int) -> str | None:
