@@ -4,9 +4,10 @@
 
 For each window, a fresh capturing engine (actors/sglang/engine.py, its warm-up included) captures, in turn:
 set A (log-uniform 48-1,024 tokens, as bench_throughput's short set), set B (the same lengths' distribution,
-other prompts), and set A again. A job sees every prompt once, so its server runs at the rate of new prompts;
-a benchmark that sweeps windows over the same prompts measures later windows on prompts the server has run
-(the kernels' per-shape primitives are built), which reads faster than any job can be.
+other prompts), and set A again. A job sees every prompt once, so its server runs at the rate of new prompts,
+while the plain baseline sweeps its windows over the same prompts: if repeated prompts ran faster, that
+baseline would be one no job could reach. It also shows whether a fresh engine's first pass is slower than its
+later ones (the engine's warm-up is there to make it not).
 """
 
 from __future__ import annotations
