@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 # (role, function, file): the first of these that a sample's stack holds decides its role. py-spy names a
-# frame "function (path:line)", the path as the process loaded it.
+# frame "Class.function (path:line)" (its qualified name), the path as the process loaded it.
 ROLES = (
     ("forward", "_work_loop", "actors/hf/engine.py"),
     ("finisher", "_finish_loop", "actors/hf/engine.py"),
@@ -34,7 +34,7 @@ ROLES = (
 
 def role(frames: list[str]) -> str:
     for name, function, file in ROLES:
-        if any(f.startswith(function + " (") and file in f for f in frames):
+        if any(f.split(" (", 1)[0].rsplit(".", 1)[-1] == function and file in f for f in frames):
             return name
     return "other"
 
