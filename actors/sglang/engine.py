@@ -161,24 +161,15 @@ class SGLangEngine:
         lengths = [int(32 * 16 ** rng.random()) for _ in range(self.max_in_flight)]
         t0 = time.monotonic()
 
-        async def one(i: int, n: int) -> str | None:
-            payload = {
-                "input_ids": [100 + (i * 7 + j) % 900 for j in range(n)],
-                "rid": f"warm-up-{self._tag}-{i}",
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            }
-            async with self._sem:
-                try:
-                    async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
-                        await resp.read()
-                        return None if resp.status == 200 else f"server answered {resp.status}"
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    return f"{type(e).__name__}: {e}"
-
         async def all_of() -> list:
-            return await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+            return await asyncio.gather(
+                *(
+                    self._generate([100 + (i * 7 + j) % 900 for j in range(n)], f"warm-up-{self._tag}-{i}")
+                    for i, n in enumerate(lengths)
+                )
+            )
 
-        errors = [e for e in asyncio.run_coroutine_threadsafe(all_of(), self._loop).result() if e]
+        errors = [e for e, _ in asyncio.run_coroutine_threadsafe(all_of(), self._loop).result() if e]
         took = time.monotonic() - t0
         if errors:
             logger.warning(
@@ -243,7 +234,9 @@ class SGLangEngine:
         futures = [self.submit(key, ids) for key, ids in requests]
         return {r.key: r for r in (f.result() for f in as_completed(futures))}
 
-    async def _capture_one(self, key: str, ids: list[int], rid: str) -> RequestResult:
+    async def _generate(self, ids: list[int], rid: str) -> tuple[str | None, float]:
+        """One /generate of the prompt under the in-flight window: (None when answered, else why not; seconds
+        from its turn in the window to the answer)."""
         payload = {
             "input_ids": ids,
             "rid": rid,
@@ -256,10 +249,15 @@ class SGLangEngine:
                 async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
                     body = await resp.read()
                     if resp.status != 200:
-                        return RequestResult(key, None, f"server answered {resp.status}: {body[:200]!r}", 0.0, rid)
+                        return f"server answered {resp.status}: {body[:200]!r}", 0.0
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return RequestResult(key, None, f"request failed: {type(e).__name__}: {e}", 0.0, rid)
-            latency = time.monotonic() - t0
+                return f"request failed: {type(e).__name__}: {e}", 0.0
+            return None, time.monotonic() - t0
+
+    async def _capture_one(self, key: str, ids: list[int], rid: str) -> RequestResult:
+        error, latency = await self._generate(ids, rid)
+        if error is not None:
+            return RequestResult(key, None, error, 0.0, rid)
         path = dump_path(self._dump_dir, rid)
         if not await self._published(path):
             return RequestResult(
