@@ -174,6 +174,7 @@ class HFEngine:
         self._done: queue.Queue = queue.Queue(maxsize=1)  # batches whose copy is in flight (CUDA)
         self._failure: BaseException | None = None
         self._slabs: PinnedSlabs | None = None  # CUDA: the copies' pinned buffers, made at the first copy
+        self._slab_limit = int(os.environ.get(PINNED_SLABS_ENV, self.PINNED_SLABS))
         self._hooks: list = []  # the engine's own (device clock); the decoder keeps its capture hooks
         self._stager = stage_torch  # on CUDA, start() puts the Triton kernel here where it matches
         self.batches = 0
@@ -563,11 +564,10 @@ class HFEngine:
     def _pinned_slabs(self, widths: tuple[int, int]) -> PinnedSlabs | None:
         """The copies' pinned buffers (actors/hf/pinned.py), made at the first copy, which is the warm-up's
         forward of max_batch_tokens: one slab holds the largest batch's planes and counts."""
-        limit = int(os.environ.get(PINNED_SLABS_ENV, self.PINNED_SLABS))
-        if self._slabs is None and limit > 0:
+        if self._slabs is None and self._slab_limit > 0:
             w, h = widths
             per_token = 2 * (w + h) + 4  # two byte planes per value, and an int32 count per position
-            self._slabs = PinnedSlabs(self.max_batch_tokens * per_token + 8, limit).reserve(2)
+            self._slabs = PinnedSlabs(self.max_batch_tokens * per_token + 8, self._slab_limit).reserve(2)
         return self._slabs
 
     def _finish_loop(self) -> None:
