@@ -98,13 +98,9 @@ class ChatTokenizer:
         return self.chat.encode(sample.messages, sample.tools, turns)
 
 
-def fingerprint_tokenizer(model_dir: str | Path) -> dict[str, str]:
-    """Hashes that change when tokenization would change: tokenizer files and the chat template."""
-    return tokenizer_facts(model_dir)[0]
-
-
 def tokenizer_facts(model_dir: str | Path) -> tuple[dict[str, str], int]:
-    """(fingerprint_tokenizer's hashes, the tokenizer's size): one load of the tokenizer for both."""
+    """(hashes that change when tokenization would change: the tokenizer files and the chat template; the
+    tokenizer's size), from one load of the tokenizer."""
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt"):
