@@ -68,7 +68,9 @@ class SGLangEngineConfig(_EngineBase):
     # A real SGLang server per actor with the capture hook (patches/).
     name: Literal["sglang"] = "sglang"
     # Requests one actor keeps in flight against its server (shared by all its batches). 16: on a 2-core
-    # bf16 CPU the server did 2,230-2,300 tok/s at 16 against 2,120-2,190 at 8 (bench/results/throughput_cpu_bf16.json).
+    # bf16 CPU a plain server did 2,360 / 2,478 tok/s at 16 against 2,230 / 2,243 at 8 (shipped / short set,
+    # bench/results/throughput_cpu_bf16.json); the capture engine alone was within 3 % either way
+    # (server_warmth_cpu.json).
     max_in_flight: int = Field(16, ge=1)
     # Prefill chunk size in tokens: bounds prefill memory (hybrid-attention models need chunking); the hook
     # assembles each request's chunks, so long prompts come out whole. -1 turns chunking off.
