@@ -5,8 +5,10 @@ It runs on the engine's forward thread between forwards, and in bench/sim_take.p
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import median
 from typing import Protocol, TypeVar
 
 
@@ -40,6 +42,33 @@ def fill_share(host_launch_s: float, device_s_per_token: float, max_batch_tokens
     if host_launch_s <= 0 or device_s_per_token <= 0 or max_batch_tokens <= 0:
         return BatchPolicy.min_fill
     return min(0.5, max(0.125, host_launch_s / device_s_per_token / max_batch_tokens))
+
+
+class FillFloor:
+    """The fill floor (`fill_share`), kept up to date from the engine's own forwards while a job runs.
+
+    Measured once at warm-up, with the forward thread alone, the host launched a small forward in ~60 ms on
+    the H200 host; inside a job, where the actor's encoding threads and Ray's want the same interpreter lock,
+    the same launch took 160-190 ms (bench/results/longtail_fill_floor_h200.json), so the warm-up's floor stayed
+    at its minimum. Here every forward counts: one whose device time was shorter than the host's launch was
+    host-bound, and its host time is what a launch costs now; one of at least half the budget tells the
+    device's time per padded token. The medians of the last `window` of each set the floor."""
+
+    def __init__(self, max_batch_tokens: int, window: int = 32):
+        self.max_batch_tokens = max_batch_tokens
+        self.launch_s: deque[float] = deque(maxlen=window)
+        self.token_s: deque[float] = deque(maxlen=window)
+        self.share = BatchPolicy.min_fill
+
+    def observe(self, host_s: float, device_s: float, padded_tokens: int) -> float:
+        """One forward: the host's time to launch it, the device's time to run it; returns the floor (share)."""
+        if 0 < device_s < host_s:
+            self.launch_s.append(host_s)
+        if padded_tokens >= self.max_batch_tokens // 2 and device_s > 0:
+            self.token_s.append(device_s / padded_tokens)
+        if self.launch_s and self.token_s:
+            self.share = fill_share(median(self.launch_s), median(self.token_s), self.max_batch_tokens)
+        return self.share
 
 
 def take_batch(pool: list[R], policy: BatchPolicy) -> list[R]:

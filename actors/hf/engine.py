@@ -44,12 +44,13 @@ import threading
 import time
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
+from statistics import median
 
 import numpy as np
 
 from actors.dump import Capture, CaptureHeader
 from actors.engine import EngineDied, RequestResult
-from actors.hf.batching import BatchPolicy, fill_share, take_batch
+from actors.hf.batching import BatchPolicy, FillFloor, take_batch
 from actors.hf.decoder import Decoder
 from actors.hf.pinned import PinnedSlabs
 from actors.hf.staging import TritonStager, plane_offsets, stage_torch
@@ -163,7 +164,9 @@ class HFEngine:
         self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation, final_layer)
         self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
-        self.min_fill = BatchPolicy.min_fill  # on CUDA measured at the warm-up (_warm_up, fill_share)
+        # On CUDA measured at the warm-up, then from every forward of the job (batching.FillFloor).
+        self.min_fill = BatchPolicy.min_fill
+        self._floor = FillFloor(max_batch_tokens)
         self.cpu_threads = cpu_threads
         self.warmup = warmup  # None: on CUDA only (see _warm_up)
         self._pending: list[_Request] = []
@@ -286,7 +289,8 @@ class HFEngine:
         if self.cuda:
             per_token = self.timing["device_forward"] / max(self.padded_tokens, 1)
             launch = self._launch_seconds()
-            self.min_fill = fill_share(launch, per_token, self.max_batch_tokens)
+            # Its forwards (the full one, the small ones) were observed as they finished (_device_time).
+            self.min_fill = self._floor.share
             logger.info(
                 "hf engine: the host launches a forward in %.0f ms, the device runs %.1f us a padded token: "
                 "forwards fill to %d tokens before the padding cap applies",
@@ -334,6 +338,7 @@ class HFEngine:
             **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
             **({"lead_under_a_layer": self.lead_under_a_layer} if self.cuda else {}),
             "fill_floor_tokens": int(self.min_fill * self.max_batch_tokens),
+            **({"fill_floor_launch_ms": round(1000 * median(self._floor.launch_s), 1)} if self._floor.launch_s else {}),
             # Batches that found no free pinned slab and allocated their own (CUDA).
             **({"pinned_slabs": self._slabs.allocated, "pinned_misses": self._slabs.misses} if self._slabs else {}),
             "first_forward_unix": self.first_forward_unix,
@@ -610,6 +615,8 @@ class HFEngine:
         excess_ms = layer_excess_ms(marks.get("layers", []), norm)
         between_ms = self._prev_end.elapsed_time(first) if self._prev_end is not None else None
         self.timing["device_forward"] += forward_ms / 1000
+        if staged is not None:  # the floor follows what launching a forward costs inside the job
+            self.min_fill = self._floor.observe(marks.get("host_forward_s", 0.0), forward_ms / 1000, staged.ids.size)
         self.timing["device_stage"] += norm.elapsed_time(end) / 1000
         self.timing["device_layer_excess"] += excess_ms / 1000
         self.lead_under_a_layer += marks.get("lead_under_a_layer", 0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.engine import EngineDied
-from actors.hf.batching import BatchPolicy, fill_share, take_batch
+from actors.hf.batching import BatchPolicy, FillFloor, fill_share, take_batch
 from actors.hf.engine import HFEngine, _ids_sha256, _Request, _Staged, layer_excess_ms
 from actors.hf.reference import ReferenceStates
 from actors.validate import check_capture
@@ -393,6 +393,20 @@ def test_the_fill_floor_is_the_forward_whose_device_time_equals_the_hosts_launch
     assert fill_share(2.0, 31.4e-6, 16384) == 0.5  # a slow host does not turn every forward into padding
     assert fill_share(0.0, 31.4e-6, 16384) == BatchPolicy.min_fill  # nothing measured
     assert fill_share(0.1, 0.0, 16384) == BatchPolicy.min_fill
+
+
+def test_the_fill_floor_follows_the_launch_cost_the_job_measures_not_the_warm_ups_alone():
+    floor = FillFloor(16384, window=8)
+    assert floor.share == BatchPolicy.min_fill  # nothing measured yet
+    floor.observe(0.150, 0.514, 16384)  # a full forward: device-bound, 31.4 us a padded token
+    floor.observe(0.060, 0.008, 256)  # the warm-up's small forward, launched alone: 60 ms
+    assert floor.share == 0.125  # 60 ms / 31.4 us = 1,911 tokens: below the minimum
+    # In the job the same launch takes ~190 ms (threads contending for the interpreter): the floor follows.
+    for _ in range(8):
+        floor.observe(0.190, 0.070, 2200)
+    assert floor.share == pytest.approx(0.190 / 31.4e-6 / 16384, rel=1e-3)
+    floor.observe(0.200, 0.250, 6000)  # device-bound and below half the budget: tells neither
+    assert floor.share == pytest.approx(0.190 / 31.4e-6 / 16384, rel=1e-3)
 
 
 def test_the_engines_batches_fill_to_its_measured_floor():
