@@ -16,7 +16,7 @@ from pipeline.format.storage import Store, human_bytes
 logger = logging.getLogger(__name__)
 
 # Measured compressed/raw ratio of each encoding on real hidden states, rounded up (bench/bench_storage.py, bench/results/data_path_h200.json).
-ENCODING_RATIO = {"planes_zstd": 0.71, "raw": 1.0}
+ENCODING_RATIO = {"planes_zstd": 0.71, "raw": 1.0, "fp8": 0.43}
 
 
 class InsufficientSpace(RuntimeError):

@@ -154,7 +154,13 @@ def _source_key(source: str):
 def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
     cpu_threads = cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors)
     kwargs = engine_class(cfg.engine.name).kwargs_for(
-        cfg.engine, str(plan.model_dir), plan.layout.aux_layers, plan.cuda, cpu_threads, plan.layout.final_layer
+        cfg.engine,
+        str(plan.model_dir),
+        plan.layout.aux_layers,
+        plan.cuda,
+        cpu_threads,
+        plan.layout.final_layer,
+        plan.layout.codec.layout,
     )
     return dict(
         engine_name=cfg.engine.name,
