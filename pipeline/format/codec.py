@@ -121,6 +121,28 @@ def dequantize(body, tokens: int, width: int, block: int) -> np.ndarray:
     return np.ascontiguousarray(bf16_bits(x).reshape(width, tokens).T)
 
 
+def _half_ulp_table() -> np.ndarray:
+    """Half the spacing of e4m3 values at each code: the most rounding to that code can have moved a value
+    (exponent field e >= 1: 2^(e-7) / 16; subnormals: 2^-10). NaN codes: inf."""
+    b = np.arange(256)
+    exp = (b >> 3) & 0xF
+    half = np.where(exp == 0, 2.0**-10, 2.0 ** (np.maximum(exp, 1) - 7.0) / 16)
+    return np.where((b & 0x7F) == 0x7F, np.inf, half).astype(np.float32)
+
+
+E4M3_HALF_ULP = _half_ulp_table()
+
+
+def fp8_error_bound(body, tokens: int, width: int, block: int) -> np.ndarray:
+    """float32 [T, W]: per stored value, the largest quantization error it can carry (half an e4m3 step at its
+    code, times its block's scale; the final rounding to bf16 is left to the caller's bf16 allowance)."""
+    b = width // block
+    flat = np.frombuffer(body, np.uint8) if not isinstance(body, np.ndarray) else body.reshape(-1)
+    scale = flat[: 4 * b * tokens].view(np.float32).reshape(b, tokens)
+    q = flat[4 * b * tokens : 4 * b * tokens + width * tokens].reshape(b, block, tokens)
+    return np.ascontiguousarray((E4M3_HALF_ULP[q] * scale[:, None, :]).reshape(width, tokens).T)
+
+
 @dataclass(frozen=True)
 class Codec:
     encoding: str = "planes_zstd"
