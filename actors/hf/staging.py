@@ -48,7 +48,8 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 def stage_fp8(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
     """`stage_torch` for an fp8 output: each request's body is the codec's fp8 layout (pipeline/format/codec.py):
     the aux column's float32 scales [K, n] and e4m3 values [K*H, n], then the final layer's scales [1, n] and
-    values [H, n]; one scale per token per layer (amax / 448; 1 for an all-zero row). The quantization runs
+    values [H, n]; one scale per token per layer (the smallest power of two >= amax / 448, as
+    `pipeline.format.codec.pow2_scale`; 1 for an all-zero row). The quantization runs
     on the states' device, over the whole padded batch a layer at a time; padded positions are never copied."""
     import torch
 
@@ -59,8 +60,9 @@ def stage_fp8(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> 
     for li, states in enumerate(layers):
         x = states.float()
         amax = x.abs().amax(-1)  # [B, T]
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        # Clamped: x / (amax / 448) can round a hair above 448, and torch's cast to e4m3fn does not saturate.
+        m, e = torch.frexp(amax / FP8_MAX)
+        scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
+        # Clamped: torch's cast to e4m3fn does not saturate (an infinite input would become NaN, not 448).
         q = (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         channels = q.transpose(1, 2).contiguous()  # [B, H, T]: each request's values are then whole rows
         scale_bytes = scale.contiguous().view(torch.uint8).view(*scale.shape, 4)  # float32 as its 4 bytes

@@ -123,7 +123,10 @@ def test_fp8_quantization_matches_torchs_cast_and_dequantization_torchs_product(
     bits = _bf16_bits(x)
     blocks = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().view(t, k, h)
     amax = blocks.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    m, e = torch.frexp(amax / 448)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
+    fit = amax[amax > 0] / scale[amax > 0]
+    assert bool(((fit <= 448) & (fit > 224)).all())  # the smallest power of two that fits
     q = (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     want = np.concatenate(
         [
@@ -160,10 +163,11 @@ def test_fp8_values_are_head_then_one_zstd_frame_and_damage_is_refused():
     t, h = 20, 8
     codec = Codec("fp8", block=h)
     value = codec.encode(codec.body_from_bits(_bf16_bits(rng.standard_normal((t, 2 * h)))))
-    head, _ = codec.split(t, 2 * h)
-    assert head == 4 * 2 * t
-    q = pa.Codec("zstd").decompress(value[head:].tobytes(), decompressed_size=2 * h * t)  # any zstd decoder
-    assert q.size == 2 * h * t
+    head, tail = codec.split(t, 2 * h)
+    assert (head, tail) == (0, 4 * 2 * t + 2 * h * t)  # one frame: scales, then values
+    body = pa.Codec("zstd").decompress(value.tobytes(), decompressed_size=tail)  # any zstd decoder
+    scales = np.frombuffer(body, np.float32, 2 * t)
+    assert (np.frexp(scales)[0] == 0.5).all()  # powers of two
     codec.check(value.tobytes(), t, 2 * h)
     with pytest.raises(CodecError):
         codec.check(value.tobytes()[:-3], t, 2 * h)
@@ -185,3 +189,21 @@ def test_fp8_keeps_only_the_masked_tokens_of_each_part():
     np.testing.assert_array_equal(
         planes.select_tokens(planes.body_from_bits(bits), t, h, keep), planes.body_from_bits(bits[keep]).reshape(-1)
     )
+
+
+def test_the_readmes_fp8_decoder_gives_the_readers_bf16():
+    """The few lines README.md gives for an fp8 value, without this project, against the codec's reader."""
+    import torch
+
+    rng = np.random.default_rng(12)
+    T, H, B = 33, 16, 3
+    W = B * H
+    codec = Codec("fp8", block=H)
+    bits = _bf16_bits(rng.standard_normal((T, W)) * np.repeat([0.02, 3.0, 90.0], H))
+    value = codec.encode(codec.body_from_bits(bits)).tobytes()
+    body = pa.Codec("zstd").decompress(value, 4 * B * T + W * T)
+    s = np.frombuffer(body, np.float32, B * T).reshape(B, T)
+    q = np.frombuffer(body, np.uint8, W * T, offset=4 * B * T).reshape(W, T)
+    x = torch.from_numpy(q.T.copy()).view(torch.float8_e4m3fn).float().view(T, B, H)
+    states = (x * torch.from_numpy(s.T.copy())[..., None]).view(T, W).bfloat16()
+    np.testing.assert_array_equal(states.view(torch.int16).numpy().view(np.uint16), codec.decode_bits(value, T, W))
