@@ -1,8 +1,9 @@
 """Reads the per-request dumps written by the SGLang hook (patches/sglang/*/hidden_harvest_hook.py).
 
-Layout: 8-byte little-endian header length, a JSON header, then the aux planes [2, K*H, T] and the final
-planes [2, H, T] as uint8 (bf16 bits split into a low and a high byte plane, channel-major: the layout the
-shard codec stores, pipeline/format/codec.py).
+Layout: 8-byte little-endian header length, a JSON header, then the aux body and the final layer's body in
+the header's `layout`, the uncompressed form of what the shard codec stores (pipeline/format/codec.py):
+`planes` (bf16 bits split into a low and a high byte plane, channel-major: [2, K*H, T] and [2, H, T]) or `fp8`
+(float32 scales [B, T], one per token per H-wide layer block, then e4m3fn values [W, T]).
 
 `read_dump` reads and checks only the header and the file size, and keeps the file open: the engine unlinks
 the dump at once (the open descriptor keeps its bytes), validation needs nothing more, and the body is read
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.format.codec import Codec, from_planes
+from pipeline.format.codec import Codec
 
 _MAX_HEADER = 1 << 20
 
@@ -48,7 +49,7 @@ class CaptureHeader:
     last_shape: tuple[int, int]  # [T, H]
     source_dtype: str  # the dtype the model computed in
     final_layer: str  # "post_norm": the final norm's output; "pre_norm": its input
-    layout: str = "planes"
+    layout: str = "planes"  # the body: "planes" (bf16 byte planes) or "fp8" (scales, e4m3 values)
     error: str | None = None  # the capture failed inside the server, and why
 
     @classmethod
@@ -67,6 +68,15 @@ class CaptureHeader:
         return {**d, "aux_shape": list(self.aux_shape), "last_shape": list(self.last_shape)}
 
 
+def body_codec(header: CaptureHeader) -> Codec:
+    """The codec whose body layout a dump carries (its sizes; for fp8 the block is the hidden size)."""
+    if header.layout == "planes":
+        return Codec("planes_zstd")
+    if header.layout == "fp8":
+        return Codec("fp8", block=max(int(header.last_shape[1]), 1))
+    raise DumpError(f"dump for {header.rid} has an unknown layout {header.layout!r}")
+
+
 class Capture:
     def __init__(self, header: CaptureHeader, fd: int | None, offset: int, body: np.ndarray | None = None):
         self.header = header
@@ -74,13 +84,14 @@ class Capture:
         self._offset = offset
         self._body = body
         self._lock = threading.Lock()
-        (t, wa), (tl, wl) = header.aux_shape, header.last_shape
-        self.aux_shape, self.last_shape = (2, wa, t), (2, wl, tl)
+        self._codec = body_codec(header)
+        self.aux_bytes = sum(self._codec.split(*header.aux_shape))
+        self.last_bytes = sum(self._codec.split(*header.last_shape))
 
     def _load(self) -> np.ndarray:
         with self._lock:
             if self._body is None:
-                size = 2 * (int(np.prod(self.aux_shape[1:])) + int(np.prod(self.last_shape[1:])))
+                size = self.aux_bytes + self.last_bytes
                 buf = pa.allocate_buffer(size)
                 try:
                     got = os.preadv(self._fd, [buf], self._offset)
@@ -91,41 +102,52 @@ class Capture:
                 self._body = np.frombuffer(buf, np.uint8)
             return self._body
 
+    def _shaped(self, body: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+        t, w = shape
+        return body.reshape(2, w, t) if self.header.layout == "planes" else body
+
     @property
     def aux(self) -> np.ndarray:
-        """uint8 planes [2, K*H, T] (reads the body on first use)."""
-        n = int(np.prod(self.aux_shape))
-        return self._load()[:n].reshape(self.aux_shape)
+        """The aux body: uint8 planes [2, K*H, T], or the flat fp8 body (reads the body on first use)."""
+        return self._shaped(self._load()[: self.aux_bytes], self.header.aux_shape)
 
     @property
     def last(self) -> np.ndarray:
-        """uint8 planes [2, H, T]."""
-        n = int(np.prod(self.aux_shape))
-        return self._load()[n:].reshape(self.last_shape)
+        """The final layer's body: uint8 planes [2, H, T], or the flat fp8 body."""
+        return self._shaped(self._load()[self.aux_bytes :], self.header.last_shape)
 
     def encode(self, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
-        """The stored values of both columns, read straight from the file: each low plane lands where it is
-        stored and only the high planes pass through a scratch buffer (raw: no buffer between at all)."""
-        if self._fd is None:  # already read (or built in memory): encode from the planes
+        """The stored values of both columns, read straight from the file: each head lands where it is
+        stored and only the tails pass through a scratch buffer (raw: no buffer between at all)."""
+        if codec.layout != self.header.layout:
+            raise DumpError(
+                f"dump for {self.header.rid} holds {self.header.layout}, the output stores {codec.encoding}"
+            )
+        if self._fd is None:  # already read (or built in memory): encode from the bodies
             return codec.encode(self.aux), codec.encode(self.last)
-        na, nl = int(np.prod(self.aux_shape[1:])), int(np.prod(self.last_shape[1:]))
-        va, vl = codec.allocate(na), codec.allocate(nl)
-        if codec.encoding == "raw":
-            parts, his = [va[: 2 * na], vl[: 2 * nl]], (None, None)
+        (ha, ta), (hl, tl) = codec.split(*self.header.aux_shape), codec.split(*self.header.last_shape)
+        va, vl = codec.allocate(ha, ta), codec.allocate(hl, tl)
+        if not codec.compressed:
+            parts, tails = [va[: ha + ta], vl[: hl + tl]], (None, None)
         else:
-            his = (np.frombuffer(pa.allocate_buffer(na), np.uint8), np.frombuffer(pa.allocate_buffer(nl), np.uint8))
-            parts = [va[:na], his[0], vl[:nl], his[1]]
+            tails = (np.frombuffer(pa.allocate_buffer(ta), np.uint8), np.frombuffer(pa.allocate_buffer(tl), np.uint8))
+            parts = [va[:ha], tails[0], vl[:hl], tails[1]]
         try:
-            got = os.preadv(self._fd, parts, self._offset)
+            got = os.preadv(self._fd, [p for p in parts if p.size], self._offset)  # fp8 has no head
         finally:
             self.close()
-        if got != 2 * (na + nl):
-            raise DumpError(f"dump for {self.header.rid} shrank while being read ({got} of {2 * (na + nl)} bytes)")
-        return codec.finish(va, na, his[0]), codec.finish(vl, nl, his[1])
+        want = ha + ta + hl + tl
+        if got != want:
+            raise DumpError(f"dump for {self.header.rid} shrank while being read ({got} of {want} bytes)")
+        return codec.finish(va, ha, tails[0], ta), codec.finish(vl, hl, tails[1], tl)
 
     def bits(self) -> tuple[np.ndarray, np.ndarray]:
-        """uint16 bf16 bits [T, K*H] and [T, H] (for tests and comparisons; the job never needs them)."""
-        return from_planes(self.aux), from_planes(self.last)
+        """uint16 bf16 bits [T, K*H] and [T, H], dequantized for fp8 (tests and comparisons; the job never
+        needs them)."""
+        return (
+            self._codec.body_bits(self.aux, *self.header.aux_shape),
+            self._codec.body_bits(self.last, *self.header.last_shape),
+        )
 
     def close(self) -> None:
         """Release the file (and with it a dump already unlinked); safe to call twice."""
@@ -156,11 +178,11 @@ def read_dump(path: Path) -> Capture:
             raise DumpError(f"dump {path.name} is truncated ({size} bytes)")
         try:
             header = CaptureHeader.from_dict(json.loads(os.pread(fd, n, 8)))
-            (ta, wa), (tl, wl) = header.aux_shape, header.last_shape
-            want = 2 * (ta * wa + tl * wl)
+            codec = body_codec(header)
+            want = sum(codec.split(*header.aux_shape)) + sum(codec.split(*header.last_shape))
         except DumpError as e:
             raise DumpError(f"dump {path.name}: {e}") from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:  # CodecError too: widths not whole blocks
             raise DumpError(f"dump {path.name} has an unreadable header: {e}") from None
         if size - 8 - n != want:
             raise DumpError(f"dump {path.name} holds {size - 8 - n} bytes, header says {want}")

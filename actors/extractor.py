@@ -166,6 +166,7 @@ class HiddenStateExtractor:
                     self.layout.aux_width,
                     self.layout.hidden_size,
                     self.layout.final_layer,
+                    self.layout.codec.layout,
                 )
                 if reason is None:
                     encoding.append(self.pool.submit(self._encode, sid, row, res.capture))

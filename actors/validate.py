@@ -18,10 +18,15 @@ def ids_sha256(input_ids) -> str:
 
 
 def check_capture(
-    cap: Capture, input_ids: list[int], aux_width: int, hidden_size: int, final_layer: str | None = None
+    cap: Capture,
+    input_ids: list[int],
+    aux_width: int,
+    hidden_size: int,
+    final_layer: str | None = None,
+    layout: str | None = None,
 ) -> str | None:
     """None when the capture is the hidden states of exactly these input ids (and its final layer the
-    `final_layer` convention, when given); else the reason."""
+    `final_layer` convention, its body the `layout` the output encodes from, when given); else the reason."""
     n = len(input_ids)
     h = cap.header
     if h.error:
@@ -32,10 +37,13 @@ def check_capture(
         return f"token count mismatch: sent {n} tokens, server captured {h.num_tokens}"
     if h.ids_sha256 != ids_sha256(input_ids):
         return "input ids seen by the server differ from those sent (hash mismatch)"
-    if cap.aux_shape != (2, aux_width, n):
-        return f"aux_hidden_states shape {(cap.aux_shape[2], cap.aux_shape[1])} != expected {(n, aux_width)}"
-    if cap.last_shape != (2, hidden_size, n):
-        return f"last_hidden_state shape {(cap.last_shape[2], cap.last_shape[1])} != expected {(n, hidden_size)}"
+    if tuple(h.aux_shape) != (n, aux_width):
+        return f"aux_hidden_states shape {tuple(h.aux_shape)} != expected {(n, aux_width)}"
+    if tuple(h.last_shape) != (n, hidden_size):
+        return f"last_hidden_state shape {tuple(h.last_shape)} != expected {(n, hidden_size)}"
+    if layout is not None and h.layout != layout:
+        # An fp8 output never stores bf16 planes under its name, nor the reverse (a hook that ignored it).
+        return f"the capture's layout is {h.layout}, the output encodes from {layout}"
     if final_layer is not None and h.final_layer != final_layer:
         # Never store one convention under the other's name (a hook that ignored what it was asked).
         return f"the capture's final layer is {h.final_layer}, the output stores {final_layer}"

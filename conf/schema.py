@@ -178,8 +178,10 @@ class OutputConfig(_Strict):
     # Local directory or s3://bucket/prefix.
     path: str
     # planes_zstd: bf16 bits as byte planes, the high plane zstd-compressed (~0.70 of raw);
-    # raw: the same planes uncompressed, for storage faster than the CPUs can compress. See pipeline/format/codec.py.
-    encoding: Literal["planes_zstd", "raw"] = "planes_zstd"
+    # raw: the same planes uncompressed, for storage faster than the CPUs can compress;
+    # fp8: lossy, e4m3 with a float32 scale per token per layer, quantized by the engine on its device
+    # (~0.43 of raw; every reader gives bf16 back). See pipeline/format/codec.py and the README.
+    encoding: Literal["planes_zstd", "raw", "fp8"] = "planes_zstd"
     zstd_level: int = Field(1, ge=1, le=22)
     # Threads one actor uses to compress hidden states (None: min(16, this host's cores)).
     encode_threads: int | None = Field(None, ge=1)

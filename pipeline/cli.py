@@ -121,6 +121,7 @@ def cmd_export(args) -> int:
         workers=args.workers,
         draft_vocab=args.draft_vocab,
         target_vocab=args.target_vocab,
+        fp8=None if args.dtype is None else args.dtype == "fp8",
     )
     print(report.text())
     return 0 if report.ok else 1
@@ -191,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="V",
         help="the target's vocabulary size, where the output's manifest does not say it (older outputs)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp8"),
+        default=None,
+        help="speculators only: its FP8 files (e4m3 + a scale per token) or bf16; default fp8 for an "
+        "output.encoding=fp8 output, else bf16",
     )
     p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)

@@ -151,6 +151,15 @@ def harvest_run(ray_session, e2e_input, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def harvest_run_fp8(ray_session, e2e_input, tmp_path_factory):
+    """(output path, summary) of the same job with output.encoding=fp8 (quantized in the server)."""
+    from pipeline.driver.job import run
+
+    out = tmp_path_factory.mktemp("harvest-fp8") / "out"
+    return out, run(e2e_config(e2e_input, out, **{"output.encoding": "fp8"}))
+
+
+@pytest.fixture(scope="session")
 def harvest_output(harvest_run) -> str:
     return str(harvest_run[0])
 

@@ -53,7 +53,7 @@ from actors.engine import EngineDied, RequestResult
 from actors.hf.batching import BatchPolicy, FillFloor, take_batch
 from actors.hf.decoder import Decoder
 from actors.hf.pinned import PinnedSlabs
-from actors.hf.staging import TritonStager, plane_offsets, stage_torch
+from actors.hf.staging import TritonStager, body_per_token, plane_offsets, stage_fp8, stage_torch
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +119,14 @@ class HFEngine:
         cuda: bool,
         cpu_threads: int,
         final_layer: str = "post_norm",
+        capture_layout: str = "planes",
     ) -> dict:
         """Constructor arguments from the engine's config section (conf.schema.HFEngineConfig)."""
         return {
             "model_dir": model_dir,
             "aux_layers": tuple(aux_layers),
             "final_layer": final_layer,
+            "capture_layout": capture_layout,
             "device": "cuda" if cuda else "cpu",
             "max_batch_tokens": cfg.max_batch_tokens,
             "cpu_threads": cpu_threads,
@@ -156,11 +158,15 @@ class HFEngine:
         attn_implementation: str = "sdpa",
         warmup: bool | None = None,
         final_layer: str = "post_norm",
+        capture_layout: str = "planes",
     ):
+        if capture_layout not in ("planes", "fp8"):
+            raise ValueError(f"capture_layout {capture_layout!r}: planes or fp8")
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
         self.final_layer = final_layer
+        self.capture_layout = capture_layout
         self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation, final_layer)
         self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
@@ -179,7 +185,8 @@ class HFEngine:
         self._slabs: PinnedSlabs | None = None  # CUDA: the copies' pinned buffers, made at the first copy
         self._slab_limit = int(os.environ.get(PINNED_SLABS_ENV, self.PINNED_SLABS))
         self._hooks: list = []  # the engine's own (device clock); the decoder keeps its capture hooks
-        self._stager = stage_torch  # on CUDA, start() puts the Triton kernel here where it matches
+        # On CUDA, start() puts the Triton kernel here where it matches; fp8 quantizes with torch ops.
+        self._stager = stage_fp8 if capture_layout == "fp8" else stage_torch
         self.batches = 0
         self.padded_tokens = 0
         self.real_tokens = 0
@@ -219,7 +226,8 @@ class HFEngine:
         if self.cuda:
             # One kernel launch per layer instead of a few hundred small torch ops on the forward thread
             # (actors/hf/staging.py); checked against the torch ops here, and they stay where it does not match.
-            self._stager = TritonStager.checked(self.device) or stage_torch
+            if self.capture_layout == "planes":
+                self._stager = TritonStager.checked(self.device) or stage_torch
             self._marks: dict = {}
             self._prev_end = None
             self._hooks += [
@@ -334,7 +342,7 @@ class HFEngine:
             "forwards": self.batches,
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
-            "staging": "triton" if isinstance(self._stager, TritonStager) else "torch",
+            "staging": "triton" if isinstance(self._stager, TritonStager) else f"torch ({self.capture_layout})",
             **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
             **({"lead_under_a_layer": self.lead_under_a_layer} if self.cuda else {}),
             "fill_floor_tokens": int(self.min_fill * self.max_batch_tokens),
@@ -519,7 +527,7 @@ class HFEngine:
         aux, last = self.decoder.outputs()
         h = last.shape[-1]
         lengths = [len(r.ids) for r in batch]
-        offsets = plane_offsets(lengths, len(aux) + 1, h)
+        offsets = plane_offsets(lengths, len(aux) + 1, h, self.capture_layout)
         planes = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
         bad = torch.zeros(last.shape[:2], dtype=torch.int32, device=last.device)
         self._stager([*aux, last], lengths, offsets, planes, bad)
@@ -571,7 +579,8 @@ class HFEngine:
         forward of max_batch_tokens: one slab holds the largest batch's planes and counts."""
         if self._slabs is None and self._slab_limit > 0:
             w, h = widths
-            per_token = 2 * (w + h) + 4  # two byte planes per value, and an int32 count per position
+            # The body per token (two byte planes per value, or fp8 and a scale per layer), and an int32 count.
+            per_token = body_per_token(w // h + 1, h, self.capture_layout) + 4
             self._slabs = PinnedSlabs(self.max_batch_tokens * per_token + 8, self._slab_limit).reserve(2)
         return self._slabs
 
@@ -662,6 +671,7 @@ class HFEngine:
                 last_shape=(n, h),
                 source_dtype=self.dtype,
                 final_layer=self.final_layer,
+                layout=self.capture_layout,
             )
             cap = Capture(header, None, 0, body=staged.planes[staged.offsets[row] : staged.offsets[row + 1]])
             r.future.set_result(RequestResult(r.key, cap, None, now - r.submitted, r.key))

@@ -31,10 +31,57 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
-def plane_offsets(lengths: list[int], layers: int, hidden: int) -> np.ndarray:
-    """Where each request's body starts in the staging buffer, and its end ([B + 1], int64): a request
-    of n tokens holds 2 bytes per value of `layers` layers of `hidden` channels."""
-    return np.concatenate([[0], np.cumsum([2 * n * layers * hidden for n in lengths])]).astype(np.int64)
+def body_per_token(layers: int, hidden: int, layout: str = "planes") -> int:
+    """Bytes of a request's body per token: 2 per value (planes), or a float32 scale per layer and 1 per value (fp8)."""
+    return 2 * layers * hidden if layout == "planes" else layers * (4 + hidden)
+
+
+def plane_offsets(lengths: list[int], layers: int, hidden: int, layout: str = "planes") -> np.ndarray:
+    """Where each request's body starts in the staging buffer, and its end ([B + 1], int64)."""
+    per_token = body_per_token(layers, hidden, layout)
+    return np.concatenate([[0], np.cumsum([per_token * n for n in lengths])]).astype(np.int64)
+
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def stage_fp8(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
+    """`stage_torch` for an fp8 output: each request's body is the codec's fp8 layout (pipeline/format/codec.py):
+    the aux column's float32 scales [K, n] and e4m3 values [K*H, n], then the final layer's scales [1, n] and
+    values [H, n]; one scale per token per layer (the smallest power of two >= amax / 448, as
+    `pipeline.format.codec.pow2_scale`; 1 for an all-zero row). The quantization runs
+    on the states' device, over the whole padded batch a layer at a time; padded positions are never copied."""
+    import torch
+
+    *aux, last = layers
+    h, k = last.shape[-1], len(aux)
+    for states in layers:
+        bad += (~torch.isfinite(states)).sum(-1, dtype=torch.int32)
+    for li, states in enumerate(layers):
+        amax = states.abs().amax(-1).float()  # [B, T]; exact in bf16
+        m, e = torch.frexp(amax / FP8_MAX)
+        scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
+        # In the states' own dtype: dividing by a power of two is exact there, and no float32 copy of the batch
+        # is made. Clamped: torch's cast to e4m3fn does not saturate (an infinite input would become NaN).
+        x = states / scale.unsqueeze(-1).to(states.dtype)
+        q = x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        channels = q.transpose(1, 2).contiguous()  # [B, H, T]: each request's values are then whole rows
+        scale_bytes = scale.contiguous().view(torch.uint8).view(*scale.shape, 4)  # float32 as its 4 bytes
+        del x, q
+        for row, n in enumerate(lengths):
+            o = int(offsets[row])
+            if li < k:  # aux: scales [K, n] (as bytes [K, 4n]), then values [K*H, n]; layer li is row li / rows li*H..
+                scales, values = (
+                    staging[o : o + 4 * k * n].view(k, 4 * n)[li],
+                    staging[o + 4 * k * n : o + (4 + h) * k * n],
+                )
+                values = values.view(k * h, n)[li * h : (li + 1) * h]
+            else:
+                at = o + (4 + h) * k * n
+                scales, values = staging[at : at + 4 * n], staging[at + 4 * n : at + (4 + h) * n].view(h, n)
+            scales.copy_(scale_bytes[row, :n].reshape(-1))
+            values.copy_(channels[row, :, :n])
+        del channels, scale, scale_bytes
 
 
 def stage_torch(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:

@@ -83,13 +83,16 @@ class SGLangEngine:
         cuda: bool,
         cpu_threads: int,
         final_layer: str = "post_norm",
+        capture_layout: str = "planes",
     ) -> dict:
-        """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig)."""
+        """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig).
+        `capture_layout`: the dump body the output encodes from (actors/dump.py): bf16 planes, or fp8."""
         return {
             "spec_without_dump": {
                 "model_dir": model_dir,
                 "aux_layers": tuple(aux_layers),
                 "final_layer": final_layer,
+                "capture_layout": capture_layout,
                 "tp_size": cfg.tp_size,
                 "chunked_prefill_size": cfg.chunked_prefill_size,
                 "cpu": not cuda,

@@ -77,11 +77,15 @@ class ServerSpec:
     startup_timeout_s: float = 300.0
     # The final layer dumped: the final norm's output (post_norm), or its input (pre_norm; the job's default).
     final_layer: str = "post_norm"
+    # The dump body: bf16 byte planes, or fp8 quantized inside the server (an fp8 output; actors/dump.py).
+    capture_layout: str = "planes"
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.final_layer not in ("post_norm", "pre_norm"):
             raise ValueError(f"final_layer {self.final_layer!r}: post_norm or pre_norm")
+        if self.capture_layout not in ("planes", "fp8"):
+            raise ValueError(f"capture_layout {self.capture_layout!r}: planes or fp8")
         for flag in self.extra_flags:
             name = flag.split("=", 1)[0]
             # argparse also accepts unique prefixes (--chunked-prefill means --chunked-prefill-size).
@@ -188,6 +192,7 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
         env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
         env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
         env["HIDDEN_HARVEST_FINAL"] = spec.final_layer
+        env["HIDDEN_HARVEST_LAYOUT"] = spec.capture_layout
         env["HIDDEN_HARVEST_AUX_LAYERS"] = ",".join(str(i) for i in spec.aux_layers)
     if spec.cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"

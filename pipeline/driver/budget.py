@@ -15,8 +15,9 @@ from pipeline.format.storage import Store, human_bytes
 
 logger = logging.getLogger(__name__)
 
-# Measured compressed/raw ratio of each encoding on real hidden states, rounded up (bench/bench_storage.py, bench/results/data_path_h200.json).
-ENCODING_RATIO = {"planes_zstd": 0.71, "raw": 1.0}
+# Measured stored/raw-bf16 ratio of each encoding on real hidden states, rounded up (bench/bench_storage.py,
+# bench/results/data_path_h200.json; fp8: bench/bench_fp8.py, bench/results/fp8_default_model.json).
+ENCODING_RATIO = {"planes_zstd": 0.71, "raw": 1.0, "fp8": 0.43}
 
 
 class InsufficientSpace(RuntimeError):
@@ -43,7 +44,7 @@ def check_budget(store: Store, layout: ShardLayout, tokens: int, masked_tokens: 
     need = estimate_bytes(layout, tokens, masked_tokens)
     free = free_bytes(store)
     logger.info(
-        "storage estimate: ~%s for %d tokens (%s ratio %.2f)%s",
+        "storage estimate: ~%s for %d tokens in output.encoding=%s (~%.2f of raw bf16)%s",
         human_bytes(need),
         tokens,
         layout.encoding,

@@ -20,7 +20,7 @@ from actors.engine import engine_class
 from actors.extractor import HiddenStateExtractor
 from conf import HarvestConfig
 from pipeline.driver import support
-from pipeline.driver.budget import check_budget
+from pipeline.driver.budget import check_budget, estimate_bytes
 from pipeline.driver.plan import Plan
 from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.driver.progress import Progress, startup, startup_line
@@ -36,7 +36,7 @@ from pipeline.format.errors import (
 )
 from pipeline.format.manifest import base_manifest, check_settings, committed_totals, read_manifest, write_manifest
 from pipeline.format.shards import SHARD_DIR, list_shards, shard_sample_ids
-from pipeline.format.storage import Store
+from pipeline.format.storage import Store, human_bytes
 from pipeline.intake.model import vocab_size
 from pipeline.intake.read import read_jsonl
 from pipeline.intake.stage import TokenizeLines
@@ -154,7 +154,13 @@ def _source_key(source: str):
 def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
     cpu_threads = cfg.engine.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.engine.num_actors)
     kwargs = engine_class(cfg.engine.name).kwargs_for(
-        cfg.engine, str(plan.model_dir), plan.layout.aux_layers, plan.cuda, cpu_threads, plan.layout.final_layer
+        cfg.engine,
+        str(plan.model_dir),
+        plan.layout.aux_layers,
+        plan.cuda,
+        cpu_threads,
+        plan.layout.final_layer,
+        plan.layout.codec.layout,
     )
     return dict(
         engine_name=cfg.engine.name,
@@ -232,7 +238,8 @@ def _run_locked(
     read_s = time.monotonic() - t0
     work = _decide_work(cfg, plan, store, index)
     manifest["conversations"] = {k: v for k, v in work.conversations.items() if k != "plan"}
-    check_budget(store, plan.layout, work.tokens, work.masked, cfg.output.check_free_space)
+    need = check_budget(store, plan.layout, work.tokens, work.masked, cfg.output.check_free_space)
+    manifest["storage_estimate"] = {"encoding": plan.layout.encoding, "bytes": need}
     progress = Progress(work.rows, work.tokens, cfg.progress.interval_s)
     reasons: Counter = Counter()
     extract_started = time.time()
@@ -281,14 +288,16 @@ def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, index: pa.Table) 
     )
     samples = index.num_rows
     logger.info(
-        "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens), device=%s; "
-        "%s; %s with %s: %s",
+        "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens, ~%s in %s), "
+        "device=%s; %s; %s with %s: %s",
         work.input_rows,
         samples,
         samples - work.rows - work.duplicate_samples,
         work.duplicate_samples,
         work.rows,
         work.tokens,
+        human_bytes(estimate_bytes(plan.layout, work.tokens, work.masked)),
+        plan.layout.encoding,
         "cuda" if plan.cuda else "cpu",
         work.conversations["plan"],
         plan.support.get("family"),

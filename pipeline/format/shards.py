@@ -2,7 +2,9 @@
 
 Columns: sample_id string, input_ids list<int32>, loss_mask list<uint8>, num_tokens int32 (plain Parquet, zstd),
 aux_hidden_states large_binary ([T, K*H]) and last_hidden_state large_binary ([T, H], or [M, H] for the masked
-rows), each value one sample's bf16 bits in the codec's layout (pipeline/format/codec.py; the README shows the decoder).
+rows), each value one sample's states in the codec's layout (pipeline/format/codec.py; the README shows the decoders):
+bf16 bits (lossless: `planes_zstd`, `raw`) or per-token scaled e4m3 (`fp8`), which every reader here dequantizes
+to bf16.
 Format 3 stores the final layer before the model's final norm, with the norm in the metadata
 (pipeline/format/final_norm.py); readers give the post-norm state unless asked for the stored one. Format 2
 stored it after the norm, and stays readable.
@@ -23,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.format.codec import Codec, to_planes
+from pipeline.format.codec import Codec
 from pipeline.format.final_norm import FinalNorm
 from pipeline.format.storage import Store
 
@@ -32,7 +34,10 @@ FINAL_LAYERS = ("post_norm", "pre_norm", "stored")  # what a reader may ask for 
 META_KEY = b"hidden_harvest"
 SHARD_DIR = "shards"
 HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
-LAYOUT_DOC = "bf16 bits as byte planes [2, W, T] (low plane stored, high plane per encoding), see README"
+LAYOUT_DOC = {
+    "planes": "bf16 bits as byte planes [2, W, T] (low plane stored, high plane per encoding), see README",
+    "fp8": "one zstd frame: float32 power-of-two scales [W/H, T] (one per token per layer block), then e4m3fn [W, T]",
+}
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class ShardLayout:
 
     @property
     def codec(self) -> Codec:
-        return Codec(self.encoding, self.zstd_level)
+        return Codec(self.encoding, self.zstd_level, self.hidden_size)
 
     def metadata(self) -> dict:
         return {
@@ -63,8 +68,9 @@ class ShardLayout:
             "hidden_size": self.hidden_size,
             "aux_width": self.aux_width,
             "dtype": "bfloat16",
-            "storage": LAYOUT_DOC,
+            "storage": LAYOUT_DOC[self.codec.layout],
             "encoding": self.encoding,
+            **({"stored_dtype": "float8_e4m3fn", "scale_block": self.hidden_size} if self.encoding == "fp8" else {}),
             "last_hidden_state_rows": self.last_rows,
             "final_layer": self.final_layer,
             **({"final_norm": self.final_norm.to_json()} if self.final_norm is not None else {}),
@@ -99,21 +105,24 @@ class EncodedSample:
         return self.aux.nbytes + self.last.nbytes
 
 
-def encode_sample(sample_id: str, input_ids, loss_mask, aux_planes, last_planes, layout: ShardLayout) -> EncodedSample:
-    """Byte planes [2, K*H, T] and [2, H, T] (uint8, e.g. a view of a dump) -> an EncodedSample. One thread."""
-    if layout.last_rows == "masked":
-        last_planes = np.ascontiguousarray(np.asarray(last_planes)[:, :, np.asarray(loss_mask, dtype=bool)])
+def encode_sample(sample_id: str, input_ids, loss_mask, aux_body, last_body, layout: ShardLayout) -> EncodedSample:
+    """The engine's bodies of both columns in the codec's layout (uint8, e.g. a view of a dump: planes
+    [2, K*H, T] and [2, H, T], or fp8 scales and values) -> an EncodedSample. One thread."""
     codec = layout.codec
-    return EncodedSample(
-        sample_id, list(input_ids), list(loss_mask), codec.encode(aux_planes), codec.encode(last_planes)
-    )
+    if layout.last_rows == "masked":
+        keep = np.asarray(loss_mask, dtype=bool)
+        last_body = codec.select_tokens(last_body, keep.size, layout.hidden_size, keep)
+    return EncodedSample(sample_id, list(input_ids), list(loss_mask), codec.encode(aux_body), codec.encode(last_body))
 
 
 def encode_bits(
     sample_id: str, input_ids, loss_mask, aux_bits: np.ndarray, last_bits: np.ndarray, layout: ShardLayout
 ) -> EncodedSample:
-    """From uint16 bf16 bits [T, K*H] and [T, H] (tests, benchmarks, engines without the GPU-side split)."""
-    return encode_sample(sample_id, input_ids, loss_mask, to_planes(aux_bits), to_planes(last_bits), layout)
+    """From uint16 bf16 bits [T, K*H] and [T, H] (tests, benchmarks, engines without the device-side step)."""
+    codec = layout.codec
+    return encode_sample(
+        sample_id, input_ids, loss_mask, codec.body_from_bits(aux_bits), codec.body_from_bits(last_bits), layout
+    )
 
 
 def ids_digest(sample_ids: list[str]) -> str:
@@ -273,7 +282,12 @@ def hidden_bits(table: pa.Table, column: str, i: int, meta: dict, rows: int, wid
         if bits.size != rows * width:
             raise ValueError(f"{column} of sample {i} holds {bits.size} values, expected {rows * width}")
         return bits.reshape(rows, width)
-    return Codec(meta["encoding"]).decode_bits(table[column][i].as_buffer(), rows, width)
+    return codec_of(meta).decode_bits(table[column][i].as_buffer(), rows, width)
+
+
+def codec_of(meta: dict) -> Codec:
+    """The codec a shard's metadata names (fp8 needs the block: the hidden size)."""
+    return Codec(meta["encoding"], block=int(meta["hidden_size"]))
 
 
 _norms: dict[str, FinalNorm] = {}  # by weight sha256: parsed once per process, not per row

@@ -25,8 +25,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from actors.hf.reference import ReferenceStates
+from pipeline.format.codec import fp8_error_bound
 from pipeline.format.manifest import read_manifest
-from pipeline.format.shards import decode_row, list_shards, read_layout, shard_sample_ids
+from pipeline.format.shards import codec_of, decode_row, list_shards, read_layout, shard_sample_ids
 from pipeline.format.storage import Store
 from pipeline.intake import model as model_lib
 from pipeline.tools.fidelity import (
@@ -249,12 +250,14 @@ def compare(
     rule: NoiseRule = DEFAULT_RULE,
     upstream=None,
     near_ties=None,
+    quantized=None,
 ) -> LayerResult:
     """stored [T, H] against the float32 truth and a bf16 forward of the same tokens (float64 math);
     `upstream`: the yardsticks' per-token distances in the sample's shallower layers (fidelity.upstream_noise);
-    `near_ties`: tokens at a MoE routing near tie (fidelity.near_tie_tokens)."""
+    `near_ties`: tokens at a MoE routing near tie (fidelity.near_tie_tokens); `quantized`: an fp8 output's
+    per-value quantization bound [T, H] (NoiseRule.judge)."""
     a, b = as_float(stored), as_float(truth)
-    d = rule.judge(a, b, yardstick, upstream, near_ties)
+    d = rule.judge(a, b, yardstick, upstream, near_ties, quantized)
     if a.shape != b.shape:
         return LayerResult(sample_id, layer, d.tokens, 0.0, 0.0, float("inf"), *_deviation_fields(d))
     cos = _cosines(a, b)
@@ -426,18 +429,39 @@ def audit(
                 table = pq.read_table(f)
             meta = read_layout(table.schema)
             decoded = [decode_row(table, i, meta, as_torch=False, expand_last=False, final="stored") for i, _ in rows]
+            bounds = [quantization_bounds(table, i, meta, d) for (i, _), d in zip(rows, decoded)]
             refs = reference.samples([d["input_ids"].tolist() for d in decoded])
-            for d, ref in zip(decoded, refs):
+            for d, ref, q in zip(decoded, refs, bounds):
                 report.samples.append(d["sample_id"])
-                report.results += judge_sample(d, ref, aux_layers, meta["hidden_size"], rule)
+                report.results += judge_sample(d, ref, aux_layers, meta["hidden_size"], rule, q)
     report.seconds = time.monotonic() - t0
     store.write_bytes(AUDIT_REPORT, (json.dumps(report.to_json(), indent=2) + "\n").encode())
     return report
 
 
-def judge_sample(decoded: dict, reference, aux_layers, hidden_size: int, rule: NoiseRule = DEFAULT_RULE) -> list:
+def quantization_bounds(table, i: int, meta: dict, decoded: dict) -> tuple | None:
+    """For an fp8 shard, per stored value the most quantization can have moved it: (aux [T, K*H], final
+    [rows, H]) from the stored scales and codes; None for lossless encodings."""
+    if meta.get("encoding") != "fp8":
+        return None
+    codec = codec_of(meta)
+    aux_rows, last_rows = decoded["aux_hidden_states"].shape[0], decoded["last_hidden_state"].shape[0]
+    h = meta["hidden_size"]
+    return tuple(
+        fp8_error_bound(codec.decode(table[col][i].as_buffer(), rows, width), rows, width, h)
+        for col, rows, width in (
+            ("aux_hidden_states", aux_rows, meta["aux_width"]),
+            ("last_hidden_state", last_rows, h),
+        )
+    )
+
+
+def judge_sample(
+    decoded: dict, reference, aux_layers, hidden_size: int, rule: NoiseRule = DEFAULT_RULE, quantized=None
+) -> list:
     """One decoded sample (pipeline.format.shards.decode_row, final="stored") against its reference
-    (`Reference.samples`): a LayerResult per stored layer, the aux layers then the final."""
+    (`Reference.samples`): a LayerResult per stored layer, the aux layers then the final. `quantized`: an
+    fp8 sample's bounds (`quantization_bounds`), which widen each layer's allowance by what fp8 can cost."""
     truth, yard, ties = reference
     truth, yard = list(truth), list(yard)
     names = [f"aux layer {layer}" for layer in aux_layers] + ["final"]
@@ -452,7 +476,11 @@ def judge_sample(decoded: dict, reference, aux_layers, hidden_size: int, rule: N
         ups[-1] = None if ups[-1] is None else ups[-1][keep]
         tied[-1] = None if tied[-1] is None else tied[-1].take(keep)
     sid = decoded["sample_id"]
-    return [compare(sid, *args, rule, u, e) for *args, u, e in zip(names, stored, truth, yard, ups, tied)]
+    qs = [None] * len(names)
+    if quantized is not None:
+        aux_q, last_q = quantized
+        qs = [aux_q[:, j * hidden_size : (j + 1) * hidden_size] for j in range(len(aux_layers))] + [last_q]
+    return [compare(sid, *args, rule, u, e, q) for *args, u, e, q in zip(names, stored, truth, yard, ups, tied, qs)]
 
 
 def _blocks_of(decoded: dict, k: int, h: int) -> list[np.ndarray]:

@@ -159,6 +159,11 @@ class _Layout:
     def read_vocab(self, out: Store, n: int) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError
 
+    def expected(self, s: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(aux bits, final bits) a file of sample `s` must read back as: the source's own, bit for bit,
+        unless the layout stores them lossily."""
+        return s["aux_hidden_states"], s["last_hidden_state"]
+
 
 class _SpecForge(_Layout):
     VOCAB = "vocab_mapping-{n}.pt"  # {d2t, t2d}, for model.vocab_mapping_path
@@ -346,7 +351,58 @@ class _Speculators(_Layout):
         return tuple(np.load(io.BytesIO(out.read_bytes(self.VOCAB.format(k=k, n=n)))) for k in ("d2t", "t2d"))
 
 
-_LAYOUTS = {"specforge": _SpecForge, "modelopt": _ModelOpt, "speculators": _Speculators}
+class _SpeculatorsFP8(_Speculators):
+    """speculators' own FP8 layout: `hidden_states` float8_e4m3fn [T, K+1, H] and `hidden_states_scales`
+    float32 [T, 1, 1], one scale per token over all layers (its loader: fp8.to(bf16) * scale). Written from an
+    fp8 output (the default there): the states are read back to bf16 and quantized again with its one scale
+    per token (amax / 448), since ours has one per token per layer. The check compares the files' bytes with
+    that quantization of the source, and their dequantized states with it."""
+
+    FP8_MAX = 448.0
+
+    def tensors(self, s) -> dict:
+        import torch
+
+        d = super().tensors(s)
+        x = d["hidden_states"].float()
+        amax = x.abs().amax(dim=(1, 2), keepdim=True)
+        scale = torch.where(amax > 0, amax / self.FP8_MAX, torch.ones_like(amax))
+        q = (x / scale).clamp_(-self.FP8_MAX, self.FP8_MAX).to(torch.float8_e4m3fn)
+        return {
+            "hidden_states": q.contiguous(),
+            "hidden_states_scales": scale.contiguous(),
+            "token_ids": d["token_ids"],
+        }
+
+    def decode(self, data):
+        import torch
+        from safetensors.torch import load
+
+        d = load(data)
+        hs = (d["hidden_states"].to(torch.bfloat16) * d["hidden_states_scales"]).to(torch.bfloat16)
+        t = hs.shape[0]
+        return d["token_ids"].numpy(), None, _bits(hs[:, :-1].reshape(t, -1)), _bits(hs[:, -1])
+
+    def expected(self, s: dict) -> tuple[np.ndarray, np.ndarray]:
+        return self.decode(_safetensors_bytes(self.tensors(s)))[2:]
+
+
+def _dtype_of(layout: _Layout) -> str:
+    return "float8_e4m3fn" if isinstance(layout, _SpeculatorsFP8) else "bfloat16"
+
+
+def _safetensors_bytes(tensors: dict) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)
+
+
+_LAYOUTS = {
+    "specforge": _SpecForge,
+    "modelopt": _ModelOpt,
+    "speculators": _Speculators,
+    "speculators_fp8": _SpeculatorsFP8,
+}
 
 
 def _check_source(store: Store, trainer: str) -> tuple[dict, tuple[int, ...], int]:
@@ -435,11 +491,12 @@ def _verify_shard(task: _Task):
         except Exception as e:  # noqa: BLE001 -- an unreadable file is a finding
             problems.append(f"{name}: cannot be read ({type(e).__name__}: {e}; remove it and export again)")
             continue
+        want_aux, want_last = layout.expected(s)
         same = (
             np.array_equal(ids, s["input_ids"])
             and (mask is None or np.array_equal(mask, s["loss_mask"]))
-            and np.array_equal(aux, s["aux_hidden_states"])
-            and np.array_equal(last, s["last_hidden_state"])
+            and np.array_equal(aux, want_aux)
+            and np.array_equal(last, want_last)
         )
         if same:
             ok += 1
@@ -467,23 +524,29 @@ def export(
     verify: bool = True,
     draft_vocab: int | None = None,
     target_vocab: int | None = None,
+    fp8: bool | None = None,
 ) -> ExportReport:
     """Export `output` for `trainer` into `dest`; `workers` shards at once (default: the cores, at most 16).
     `draft_vocab=N` also writes the N-token draft vocabulary (`target_vocab`: the target's, when the manifest
-    does not say it)."""
+    does not say it). `fp8` (speculators only): its FP8 files instead of bf16; None: FP8 for an fp8 output."""
     if trainer not in TRAINERS:
         raise ExportError(f"--to {trainer}: one of {', '.join(TRAINERS)}")
     t0 = time.monotonic()
     workers = max(1, workers or min(16, os.cpu_count() or 1))
     src, out = Store(output), Store(dest)
     manifest, aux_layers, hidden = _check_source(src, trainer)
+    if fp8 is None:
+        fp8 = trainer == "speculators" and manifest["data_settings"].get("encoding") == "fp8"
+    if fp8 and trainer != "speculators":
+        raise ExportError(f"--fp8: only speculators reads FP8 hidden states; {trainer} reads bf16")
+    layout_name = "speculators_fp8" if fp8 else trainer
     vocab_size = None
     if draft_vocab is not None:
         try:
             vocab_size = target_vocab_size(manifest, target_vocab)
         except DraftVocabError as e:
             raise ExportError(str(e)) from None
-    layout = _LAYOUTS[trainer](aux_layers, hidden)
+    layout = _LAYOUTS[layout_name](aux_layers, hidden)
     shards = list_shards(src)
     counts = []
     for rel in shards:
@@ -494,6 +557,11 @@ def export(
     record = out.read_bytes(EXPORT_RECORD) if out.exists(EXPORT_RECORD) else None
     if record is not None and json.loads(record).get("source_manifest_sha") != _manifest_sha(manifest):
         raise ExportError(f"{out.display()} holds an export of another output (or of this one before a change)")
+    if record is not None and json.loads(record).get("hidden_states_dtype", "bfloat16") != _dtype_of(layout):
+        raise ExportError(
+            f"{out.display()} holds {json.loads(record).get('hidden_states_dtype', 'bfloat16')} hidden states; "
+            f"this export writes {_dtype_of(layout)}: export into a new folder"
+        )
     sub = os.path.dirname(layout.name(0))
     out.clean_temporaries(sub)
     present = set(out.list(sub))
@@ -501,7 +569,7 @@ def export(
         _Task(
             output,
             dest,
-            trainer,
+            layout_name,
             aux_layers,
             hidden,
             rel,
@@ -571,6 +639,7 @@ def _write_side_files(out: Store, trainer: str, layout: _Layout, rows, tokens: C
         "source_manifest_sha": _manifest_sha(manifest),
         "samples": len(rows),
         "final_layer": layout.final,
+        "hidden_states_dtype": _dtype_of(layout),
         "aux_layers (ours: decoder layer outputs = HF hidden_states[i+1])": list(layout.aux_layers),
         **layout.layer_ids(),
         "files": layout.name(-1).replace("-1", "{i}").replace("-00000001", "{i:09d}"),

@@ -248,11 +248,13 @@ class NoiseRule:
     peak_factor: float = PEAK_FACTOR
     flip_factor: float = FLIP_FACTOR
 
-    def judge(self, got, ref, yardsticks, upstream=None, near_ties=None) -> Deviation:
+    def judge(self, got, ref, yardsticks, upstream=None, near_ties=None, quantized=None) -> Deviation:
         """How far `got` is from the float32 truth `ref`, against how far bf16 forwards of the same tokens
         (`yardsticks`: one array or several) are; `upstream`: per token, their largest distance in the
         sample's shallower layers (`upstream_noise`), which widens that token's allowance; `near_ties`: the
-        tokens whose MoE routing was a near tie (`near_tie_tokens`), allowed what a flip there can move them."""
+        tokens whose MoE routing was a near tie (`near_tie_tokens`), allowed what a flip there can move them;
+        `quantized`: for a lossy (fp8) output, per stored value the most its quantization can have moved it
+        ([T, H], `pipeline.format.codec.fp8_error_bound`): every allowance grows by exactly that at each token."""
         a, b = as_float(got), as_float(ref)
         if a.shape != b.shape:
             return Deviation(int(b.shape[0]) if b.ndim else 0, np.inf, 0.0, 0, np.inf, 0.0, np.inf, False)
@@ -284,9 +286,20 @@ class NoiseRule:
                 peak_move = np.nan_to_num(near_ties.peak / scale, nan=0.0, posinf=0.0)
             allowed = allowed + np.where(near_ties.tokens, self.flip_factor * move, 0.0)
             peak_allowed = peak_allowed + np.where(near_ties.tokens, self.flip_factor * peak_move, 0.0)
+        quant_mean = 0.0
+        if quantized is not None:
+            # Quantization error adds to the bf16 forward's (triangle inequality): the bound at each token,
+            # over its norm, on top of the bf16 allowance. A swapped or shifted sample stands ~1.4 off, far past.
+            q = np.asarray(quantized, dtype=np.float64)
+            if q.shape != a.shape:
+                raise ValueError(f"quantization bounds {q.shape} do not match the layer {a.shape}")
+            q_l2 = _over_ref_norm(np.linalg.norm(q, axis=-1), b)
+            q_peak = _over_ref_norm(q.max(axis=-1) if q.shape[-1] else np.zeros(q.shape[0]), b)
+            allowed, peak_allowed = allowed + q_l2, peak_allowed + q_peak
+            quant_mean = float(q_l2.mean())
         worst = int(np.argmax(err / allowed))
         worst_peak = int(np.argmax(peak / peak_allowed))
-        sample_allowed = self.sample_factor * noise_mean + self.floor
+        sample_allowed = self.sample_factor * noise_mean + self.floor + quant_mean
         mean = float(err.mean())
         passed = mean <= sample_allowed and bool((err <= allowed).all()) and bool((peak <= peak_allowed).all())
         return Deviation(

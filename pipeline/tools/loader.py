@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.format.codec import Codec
-from pipeline.format.shards import decode_row, decode_sample, list_shards, read_layout
+from pipeline.format.shards import codec_of, decode_row, decode_sample, list_shards, read_layout
 from pipeline.format.storage import Store
 
 logger = logging.getLogger(__name__)
@@ -197,7 +196,7 @@ class BatchDecoder:
             self.meta = read_layout(pq.read_schema(f))
         if self.meta.get("format_version", 1) < 2:
             raise ValueError("format-1 outputs store hidden states as lists: read them with open_shards")
-        self.codec = Codec(self.meta["encoding"])
+        self.codec = codec_of(self.meta)
         self.final, self.as_torch = final, as_torch
 
     def __call__(self, batch: dict) -> list[dict]:

@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.format.codec import Codec
 from pipeline.format.errors import error_files, read_errors
 from pipeline.format.manifest import read_manifest
-from pipeline.format.shards import final_norm_of, hidden_bits, list_shards, read_layout, shard_name, stored_final_layer
+from pipeline.format.shards import (
+    codec_of,
+    final_norm_of,
+    hidden_bits,
+    list_shards,
+    read_layout,
+    shard_name,
+    stored_final_layer,
+)
 from pipeline.format.storage import Store
 
 
@@ -49,7 +56,7 @@ def _lengths(column) -> np.ndarray:
 def _check_hidden(rel: str, table, meta: dict, sids: list[str], rows: dict, report: Report) -> None:
     """Every hidden-state value decodes (codec and all) to exactly [rows, width]."""
     bad = 0
-    codec = Codec(meta["encoding"]) if meta.get("format_version", 1) >= 2 else None
+    codec = codec_of(meta) if meta.get("format_version", 1) >= 2 else None
     for name, (want, width) in rows.items():
         for i in range(table.num_rows):
             try:

@@ -39,13 +39,16 @@ def _kernel_manager(tmp: str):
     return KernelManager(kernel_name="python3", kernel_spec_manager=ksm)
 
 
-def execute_notebook(output_dir) -> nbformat.NotebookNode:
-    """Execute the notebook with HARVEST_OUTPUT=output_dir; raises if any cell errors."""
+def execute_notebook(output_dir, bf16_output=None) -> nbformat.NotebookNode:
+    """Execute the notebook with HARVEST_OUTPUT=output_dir (and HARVEST_BF16_OUTPUT=bf16_output: the bf16
+    output an fp8 one is drawn against); raises if any cell errors."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     old = os.environ.get("HARVEST_OUTPUT")
     os.environ["HARVEST_OUTPUT"] = str(output_dir) if "://" in str(output_dir) else str(Path(output_dir).resolve())
+    if bf16_output is not None:
+        os.environ["HARVEST_BF16_OUTPUT"] = str(Path(bf16_output).resolve())
     try:
         with tempfile.TemporaryDirectory() as tmp:
             km = _kernel_manager(tmp)
@@ -63,6 +66,7 @@ def execute_notebook(output_dir) -> nbformat.NotebookNode:
                 if km.has_kernel:
                     km.shutdown_kernel(now=True)
     finally:
+        os.environ.pop("HARVEST_BF16_OUTPUT", None)
         if old is None:
             os.environ.pop("HARVEST_OUTPUT", None)
         else:
@@ -81,7 +85,7 @@ def _outputs_text(nb: nbformat.NotebookNode) -> str:
     return "\n".join(parts)
 
 
-def check_executed(nb: nbformat.NotebookNode, output_dir) -> None:
+def check_executed(nb: nbformat.NotebookNode, output_dir, figures: int = 4) -> None:
     from pipeline.format.shards import open_shards
 
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
@@ -97,7 +101,7 @@ def check_executed(nb: nbformat.NotebookNode, output_dir) -> None:
         for o in c.get("outputs", [])
         if "image/png" in o.get("data", {})
     ]
-    assert len(images) == 4, f"{len(images)} figures in the executed notebook"
+    assert len(images) == figures, f"{len(images)} figures in the executed notebook"
     for png in images:
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000  # a drawn figure, not an empty canvas
 
@@ -105,6 +109,15 @@ def check_executed(nb: nbformat.NotebookNode, output_dir) -> None:
 def test_inspect_notebook_runs(harvest_output):
     nb = execute_notebook(harvest_output)
     check_executed(nb, harvest_output)
+    assert "no fp8 figure" in _outputs_text(nb)
+
+
+def test_inspect_notebook_draws_an_fp8_output_against_its_bf16_twin(harvest_run_fp8, harvest_output):
+    out = harvest_run_fp8[0]
+    nb = execute_notebook(out, bf16_output=harvest_output)
+    check_executed(nb, out, figures=5)  # the four, and fp8's per-token cosine to bf16
+    text = _outputs_text(nb)
+    assert "cosine to bf16 min" in text and '"encoding": "fp8"' in text
 
 
 if __name__ == "__main__":

@@ -191,3 +191,77 @@ def test_a_header_with_a_key_the_client_does_not_know_is_refused(make_dump):
     path = make_dump("hh-u", [1, 2], bits(rng, 2, 12), bits(rng, 2, 4), surprise=1)
     with pytest.raises(DumpError, match=r"keys this client does not know: \['surprise'\]"):
         read_dump(path)
+
+
+# --- fp8: the hook quantizes in the server; the dump carries the codec's fp8 body -----------------------------
+
+
+@pytest.fixture
+def publish_fp8(hook_modules, tmp_path):
+    publisher = hook_modules.publisher.DumpPublisher(str(tmp_path), "hh-", layout="fp8")
+
+    def run(rids, input_ids, hidden, aux, seq_lens, prefix_lens=None):
+        publisher.capture(input_ids, hidden, aux, rids, seq_lens, prefix_lens)
+        publisher.flush()
+
+    return run
+
+
+def _fp8_body(x: torch.Tensor, block: int) -> np.ndarray:
+    """The codec's fp8 body of x [T, W], from the numpy reference (pipeline/format/codec.quantize)."""
+    from pipeline.format.codec import quantize
+
+    return quantize(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), block)
+
+
+def test_the_hooks_fp8_dump_is_the_codecs_quantization_of_each_request(publish_fp8, tmp_path):
+    torch.manual_seed(3)
+    seq_lens = [3, 5]
+    hidden = torch.randn(9, 4, dtype=torch.bfloat16) * 40  # a padding row after the requests
+    aux = [torch.randn(9, 4, dtype=torch.bfloat16) * s for s in (0.01, 1.0, 300.0)]  # ranges far apart
+    aux[1][4] = 0  # an all-zero block: scale 1, values 0
+    publish_fp8(["hh-a", "hh-b"], torch.arange(9), hidden, aux, seq_lens, [0, 0])
+    packed = torch.cat(aux, dim=-1)
+    for rid, start, n in (("hh-a", 0, 3), ("hh-b", 3, 5)):
+        cap = read_dump(dump_path(tmp_path, rid))
+        assert cap.header.layout == "fp8" and cap.header.aux_shape == (n, 12)
+        rows = slice(start, start + n)
+        np.testing.assert_array_equal(cap.aux, _fp8_body(packed[rows], 4))
+        np.testing.assert_array_equal(cap.last, _fp8_body(hidden[rows], 4))
+        assert check_capture(cap, list(range(start, start + n)), 12, 4, layout="fp8") is None
+        assert check_capture(cap, list(range(start, start + n)), 12, 4, layout="planes").startswith(
+            "the capture's layout"
+        )
+
+
+def test_fp8_prefill_chunks_are_assembled_like_a_whole_request(publish_fp8, tmp_path):
+    torch.manual_seed(4)
+    ids = torch.arange(7)
+    hidden = torch.randn(7, 4, dtype=torch.bfloat16)
+    aux = [torch.randn(7, 4, dtype=torch.bfloat16) * 10 for _ in range(2)]
+    publish_fp8(["hh-z-1.t7"], ids[:3], hidden[:3], [a[:3] for a in aux], [3], [0])
+    publish_fp8(["hh-z-1.t7"], ids[3:], hidden[3:], [a[3:] for a in aux], [4], [3])
+    cap = read_dump(dump_path(tmp_path, "hh-z-1.t7"))
+    assert check_capture(cap, ids.tolist(), 8, 4, layout="fp8") is None
+    np.testing.assert_array_equal(cap.aux, _fp8_body(torch.cat(aux, dim=-1), 4))
+    np.testing.assert_array_equal(cap.last, _fp8_body(hidden, 4))
+
+
+def test_an_fp8_dump_encodes_straight_from_the_file_and_decodes_within_fp8_error(publish_fp8, tmp_path):
+    from pipeline.format.codec import Codec, bits_to_float
+
+    torch.manual_seed(5)
+    hidden = torch.randn(40, 16, dtype=torch.bfloat16) * 5
+    aux = [torch.randn(40, 16, dtype=torch.bfloat16) * s for s in (0.1, 50.0)]
+    publish_fp8(["hh-e"], torch.arange(40), hidden, aux, [40])
+    codec = Codec("fp8", block=16)
+    cap = read_dump(dump_path(tmp_path, "hh-e"))
+    direct = cap.encode(codec)
+    via_body = (codec.encode(_fp8_body(torch.cat(aux, -1), 16)), codec.encode(_fp8_body(hidden, 16)))
+    for got, want, x in zip(direct, via_body, (torch.cat(aux, -1), hidden)):
+        assert got.tobytes() == want.tobytes()
+        back = torch.from_numpy(bits_to_float(codec.decode_bits(got.tobytes(), 40, x.shape[1])))
+        cos = torch.nn.functional.cosine_similarity(back.view(40, -1, 16), x.float().view(40, -1, 16), dim=-1)
+        assert cos.min() > 0.999
+    with pytest.raises(DumpError, match="holds fp8"):
+        read_dump(dump_path(tmp_path, "hh-e")) if False else cap.encode(Codec("planes_zstd"))

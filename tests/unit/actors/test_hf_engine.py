@@ -547,3 +547,24 @@ def test_float32_states_match_the_bf16_capture_within_bf16_noise(engine, model_d
 def test_the_reference_refuses_unknown_dtypes():
     with pytest.raises(ValueError, match="dtype"):
         ReferenceStates("unused", AUX, dtype="float16")
+
+
+def test_an_fp8_capture_is_the_codecs_quantization_of_the_bf16_capture(model_dir, text_ids, engine):
+    """capture_layout=fp8: the engine's body is exactly the codec's quantization of the states the bf16 engine
+    captures for the same tokens (the same forward, batched alike), and validates as fp8 only."""
+    from pipeline.format.codec import Codec
+
+    requests = [("a", list(text_ids[0])), ("b", list(text_ids[0])[:37])]
+    want = engine.capture(requests)
+    with HFEngine(str(model_dir), AUX, max_batch_tokens=4096, cpu_threads=2, capture_layout="fp8") as eng:
+        got = eng.capture(requests)
+    h = want["a"].capture.header.last_shape[1]
+    codec = Codec("fp8", block=h)
+    for key, ids in requests:
+        cap, ref = got[key].capture, want[key].capture
+        assert cap.header.layout == "fp8"
+        assert check_capture(cap, ids, len(AUX) * h, h, layout="fp8") is None
+        assert check_capture(cap, ids, len(AUX) * h, h, layout="planes") is not None
+        aux, last = ref.bits()
+        np.testing.assert_array_equal(cap.aux, codec.body_from_bits(aux))
+        np.testing.assert_array_equal(cap.last, codec.body_from_bits(last))

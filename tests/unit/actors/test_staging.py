@@ -95,3 +95,29 @@ def test_without_triton_the_torch_ops_stage(monkeypatch, caplog):
 
 def test_the_check_passes_a_kernel_that_agrees(interpreter):
     assert interpreter.submit(_triton_checked).result()
+
+
+@pytest.mark.parametrize("lengths, t, h, k", [([5, 64, 1], 70, 40, 3), ([3, 2], 9, 64, 0), ([17], 17, 10, 2)])
+def test_fp8_staging_writes_each_requests_codec_body_and_counts(lengths, t, h, k):
+    """Each request's fp8 body equals the codec's quantization of its real tokens (aux layers packed, then
+    the final layer); padded positions are neither copied nor counted."""
+    from pipeline.format.codec import quantize
+
+    layers = _layers(lengths, t, h, k, seed=11)
+    offsets = plane_offsets(lengths, k + 1, h, "fp8")
+    body = torch.full((int(offsets[-1]),), 0xAB, dtype=torch.uint8)
+    bad = torch.zeros(layers[-1].shape[:2], dtype=torch.int32)
+    staging.stage_fp8(layers, lengths, offsets, body, bad)
+    _, want_bad = _stage(stage_torch, layers, lengths)
+    assert [int(bad[r, :n].sum()) for r, n in enumerate(lengths)] == want_bad
+    as_bits = lambda x: x.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    for row, n in enumerate(lengths):
+        got = body[int(offsets[row]) : int(offsets[row + 1])].numpy()
+        aux_bits = as_bits(torch.cat([x[row, :n] for x in layers[:-1]], dim=-1)) if k else np.zeros((n, 0), np.uint16)
+        want = np.concatenate([quantize(aux_bits, h), quantize(as_bits(layers[-1][row, :n]), h)])
+        # Non-finite inputs quantize to NaN codes (0x7F, either sign; the capture is rejected on its count
+        # anyway): NaN's sign is left out of the comparison, in the value bytes only.
+        values = np.zeros(got.size, bool)
+        values[4 * k * n : (4 + h) * k * n] = values[(4 + h) * k * n + 4 * n :] = True
+        nan = lambda b, v=values: np.where(v & ((b & 0x7F) == 0x7F), 0x7F, b)  # noqa: E731
+        np.testing.assert_array_equal(nan(got), nan(want))

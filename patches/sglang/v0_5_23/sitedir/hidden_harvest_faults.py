@@ -76,7 +76,12 @@ class Faults:
         self.record(kind, rid)
         if kind == "wrong_count" and n > 0:
             header.update(num_tokens=n - 1, aux_shape=[n - 1, aux_width], last_shape=[n - 1, hidden])
-            body[:] = [b"".join(bytes(b) for b in body)[: 2 * (aux_width + hidden) * (n - 1)]]
+            per_token = (
+                2 * (aux_width + hidden)
+                if header.get("layout", "planes") == "planes"
+                else 4 * (aux_width // hidden) + aux_width + 4 + hidden
+            )
+            body[:] = [b"".join(bytes(b) for b in body)[: per_token * (n - 1)]]
         elif kind == "truncated":
             data = b"".join(bytes(b) for b in body)
             body[:] = [data[: len(data) // 2]]

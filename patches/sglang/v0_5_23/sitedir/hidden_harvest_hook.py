@@ -89,7 +89,12 @@ def _patch(module) -> None:
         logger.warning("hidden-harvest: FAULT INJECTION ON (%s)", os.environ["HIDDEN_HARVEST_FAULTS"])
     from hidden_harvest_publisher import DumpPublisher
 
-    _publisher = DumpPublisher(dump_dir, os.environ.get("HIDDEN_HARVEST_RID_PREFIX", "hh-"), faults)
+    _publisher = DumpPublisher(
+        dump_dir,
+        os.environ.get("HIDDEN_HARVEST_RID_PREFIX", "hh-"),
+        faults,
+        os.environ.get("HIDDEN_HARVEST_LAYOUT", "planes"),
+    )
     cls = module.LogitsProcessor
     original = cls.forward
     if getattr(original, "_hidden_harvest", False):

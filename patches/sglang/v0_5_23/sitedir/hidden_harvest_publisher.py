@@ -12,8 +12,12 @@ the forward stream, before ``capture`` returns; the staging tensor is marked as 
 (record_stream), so the caching allocator reuses it only after the copy; a host buffer is reused only after
 the writer has published everything in it (two buffers: one filling while the other is written out).
 
-Dump layout: 8-byte little-endian header length, a JSON header, the aux planes [2, K*H, T] and the final
-planes [2, H, T] (uint8; plane 0 low bytes, channel-major). The header carries the sha256 of the input ids as
+Dump layout: 8-byte little-endian header length, a JSON header, the aux body and the final layer's body.
+Layout `planes` (bf16 outputs): byte planes [2, K*H, T] and [2, H, T] (uint8; plane 0 low bytes,
+channel-major). Layout `fp8` (``HIDDEN_HARVEST_LAYOUT=fp8``, for an fp8 output): quantized here, on the
+device, so the actor only compresses: per column, float32 scales [B, T] (one per token per H-wide layer
+block: the smallest power of two >= amax / 448, 1 for an all-zero block), then the e4m3fn values [W, T],
+channel-major. The header carries the sha256 of the input ids as
 the server saw them, the prefix length the server reused and the non-finite count, so the client can prove
 the dump belongs to what it sent, is complete and holds finite values without reading the data.
 """
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 # Host buffers per server: one being filled by the GPU while the writer publishes the other.
 _HOST_SLOTS = 2
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 logger = logging.getLogger("hidden_harvest_hook")
 
@@ -55,6 +60,18 @@ class _Job:
     hidden_size: int
     source_dtype: str
     final_layer: str = "post_norm"  # what the final planes hold: the norm's output, or its input (pre_norm)
+    layout: str = "planes"
+
+
+def body_bytes(layout: str, width: int, hidden: int, n: int) -> int:
+    """A column's body for n tokens: two bytes a value (planes), or a float32 scale per block and a byte a value."""
+    return 2 * width * n if layout == "planes" else (4 * (width // hidden) + width) * n
+
+
+def segments(layout: str, width: int, hidden: int) -> list:
+    """A column's body as channel-major parts (rows, bytes per token per row): a chunk of tokens is a column
+    range of each."""
+    return [(2 * width, 1)] if layout == "planes" else [(width // hidden, 4), (width, 1)]
 
 
 def _blocks(aux) -> list:
@@ -67,6 +84,26 @@ def _bf16_rows(x, rows: slice):
 
     x = x[rows]
     return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+
+
+def _quantize_fp8(dst, x, rows: slice, hidden: int) -> None:
+    """dst (uint8, the body of x[rows]'s blocks: float32 scales [B, n], then e4m3 [B*H, n]) = x[rows] ([n, B*H])
+    quantized per token per H-wide block. The math runs where x is (the forward's device)."""
+    import torch
+
+    x = x[rows]
+    n, w = x.shape
+    b = w // hidden
+    blocks = x.view(n, b, hidden).float()
+    amax = blocks.abs().amax(-1)
+    # The smallest power of two >= amax / 448, exactly (frexp): the project's codec computes the same.
+    m, e = torch.frexp(amax / _FP8_MAX)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
+    # Clamped: torch's cast to e4m3fn does not saturate (an infinite input would become NaN, not 448).
+    q = (blocks / scale.unsqueeze(-1)).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    # The scales as their bytes: a request's place in the staging buffer need not be 4-byte aligned.
+    dst[: 4 * b * n].view(b, 4 * n).copy_(scale.t().contiguous().view(torch.uint8))
+    dst[4 * b * n :].view(w, n).copy_(q.view(n, w).t())
 
 
 def _split_planes(dst, x, rows: slice) -> None:
@@ -88,9 +125,12 @@ def _split_planes(dst, x, rows: slice) -> None:
 class DumpPublisher:
     """Queues device work and one async copy per forward; a writer thread publishes the dumps."""
 
-    def __init__(self, dump_dir: str, prefix: str, faults=None):
+    def __init__(self, dump_dir: str, prefix: str, faults=None, layout: str = "planes"):
+        if layout not in ("planes", "fp8"):
+            raise ValueError(f"hidden-harvest: unknown dump layout {layout!r}")
         self.dump_dir = dump_dir
         self.prefix = prefix
+        self.layout = layout
         self._faults = faults  # tests only (hidden_harvest_faults.py)
         self._hosts: list = [None] * _HOST_SLOTS
         self._free: queue.Queue[int] = queue.Queue()
@@ -141,16 +181,29 @@ class DumpPublisher:
         for rid, n, p in zip(rids, seq_lens, prefix_lens):
             if rid.startswith(self.prefix):
                 requests.append(_Request(rid, start, int(n), int(p), offset))
-                offset += 2 * (aux_width + hidden) * int(n)
+                offset += body_bytes(self.layout, aux_width, hidden, int(n)) + body_bytes(
+                    self.layout, hidden, hidden, int(n)
+                )
             start += int(n)
         if error is not None:
             import numpy as np
 
-            job = _Job(-1, None, 0, 0, [], aux_width, hidden, str(blocks[0].dtype), final_layer)
+            job = _Job(-1, None, 0, 0, [], aux_width, hidden, str(blocks[0].dtype), final_layer, self.layout)
             for r in requests:
                 self._publish(r.rid, r.prefix_len, np.zeros(0, dtype=np.int32), 0, job, [], error=error)
             return
-        job = _Job(self._free.get(), None, rows, offset, requests, aux_width, hidden, str(blocks[0].dtype), final_layer)
+        job = _Job(
+            self._free.get(),
+            None,
+            rows,
+            offset,
+            requests,
+            aux_width,
+            hidden,
+            str(blocks[0].dtype),
+            final_layer,
+            self.layout,
+        )
         try:
             self._queue_copy(job, input_ids, hidden_states, blocks)
         except Exception:  # never break the forward: the client finds no dump and retries the request
@@ -173,13 +226,18 @@ class DumpPublisher:
         stage[4 * rows : 8 * rows].view(torch.int32).copy_(bad)
         for r in job.requests:
             span = slice(r.row, r.row + r.n)
-            aux = stage[r.offset : r.offset + 2 * w_aux * r.n].view(2, w_aux, r.n)
+            end = r.offset + body_bytes(job.layout, w_aux, h, r.n)
+            if job.layout == "fp8":
+                aux = blocks[0] if len(blocks) == 1 else torch.cat([b[span] for b in blocks], dim=-1)
+                _quantize_fp8(stage[r.offset : end], aux, span if len(blocks) == 1 else slice(0, r.n), h)
+                _quantize_fp8(stage[end : end + body_bytes(job.layout, h, h, r.n)], hidden_states, span, h)
+                continue
+            aux = stage[r.offset : end].view(2, w_aux, r.n)
             col = 0
             for b in blocks:
                 w = int(b.shape[-1])
                 _split_planes(aux[:, col : col + w], b, span)
                 col += w
-            end = r.offset + 2 * w_aux * r.n
             _split_planes(stage[end : end + 2 * h * r.n].view(2, h, r.n), hidden_states, span)
         if cuda:
             # The copy runs on a stream of its own, after the work above, on the copy engine: the next
@@ -208,7 +266,10 @@ class DumpPublisher:
                 if self._faults is not None:
                     self._swap_rids(job.requests)
                 for r in job.requests:
-                    body = memoryview(host)[r.offset : r.offset + 2 * (job.aux_width + job.hidden_size) * r.n]
+                    size = body_bytes(job.layout, job.aux_width, job.hidden_size, r.n) + body_bytes(
+                        job.layout, job.hidden_size, job.hidden_size, r.n
+                    )
+                    body = memoryview(host)[r.offset : r.offset + size]
                     self._deliver(r, job, ids[r.row : r.row + r.n], int(bad[r.row : r.row + r.n].sum()), body)
             except Exception:  # a dump not published is caught by the client (missing dump -> retry)
                 logger.exception("hidden-harvest: publishing dumps failed")
@@ -237,7 +298,7 @@ class DumpPublisher:
             return
         part = self._partials.get(r.rid)
         if part is None:
-            part = self._partials[r.rid] = _Partial(total, r.prefix_len, job.aux_width, job.hidden_size)
+            part = self._partials[r.rid] = _Partial(total, r.prefix_len, job.aux_width, job.hidden_size, job.layout)
         if r.prefix_len != part.first_prefix + part.got or part.got + r.n > total:
             del self._partials[r.rid]
             self._publish(
@@ -267,7 +328,7 @@ class DumpPublisher:
             "prefix_len": prefix_len,
             "ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
             "nonfinite": nonfinite,
-            "layout": "planes",
+            "layout": job.layout,
             "aux_shape": [n, job.aux_width],
             "last_shape": [n, job.hidden_size],
             "source_dtype": job.source_dtype,
@@ -300,24 +361,29 @@ def total_tokens(rid: str) -> int | None:
 
 
 class _Partial:
-    """One request's prefill chunks, assembled in the writer thread into its full planes [2, W, T]."""
+    """One request's prefill chunks, assembled in the writer thread into its full bodies (all T tokens)."""
 
-    def __init__(self, total: int, first_prefix: int, aux_width: int, hidden: int):
+    def __init__(self, total: int, first_prefix: int, aux_width: int, hidden: int, layout: str = "planes"):
         import numpy as np
 
         self.total, self.first_prefix, self.got, self.nonfinite = total, first_prefix, 0, 0
         self.aux_width, self.hidden = aux_width, hidden
         self.ids = np.empty(total, np.int32)
-        self.planes = np.empty(2 * (aux_width + hidden) * total, np.uint8)
+        self.parts = segments(layout, aux_width, hidden) + segments(layout, hidden, hidden)
+        self.planes = np.empty(sum(rows * item for rows, item in self.parts) * total, np.uint8)
 
     def add(self, n: int, ids, nonfinite: int, body) -> None:
         import numpy as np
 
-        t, p, wa, h = self.total, self.got, self.aux_width, self.hidden
+        t, p = self.total, self.got
         chunk = np.frombuffer(body, np.uint8)
-        # Channel-major planes: a chunk's tokens are columns p..p+n of every row of [2, W, T].
-        self.planes[: 2 * wa * t].reshape(2, wa, t)[:, :, p : p + n] = chunk[: 2 * wa * n].reshape(2, wa, n)
-        self.planes[2 * wa * t :].reshape(2, h, t)[:, :, p : p + n] = chunk[2 * wa * n :].reshape(2, h, n)
+        # Channel-major parts: a chunk's tokens are columns p..p+n of every row of each part.
+        at_full = at_chunk = 0
+        for rows, item in self.parts:
+            full = self.planes[at_full : at_full + rows * t * item].reshape(rows, t * item)
+            full[:, p * item : (p + n) * item] = chunk[at_chunk : at_chunk + rows * n * item].reshape(rows, n * item)
+            at_full += rows * t * item
+            at_chunk += rows * n * item
         self.ids[p : p + n] = ids
         self.nonfinite += nonfinite
         self.got += n
