@@ -45,11 +45,21 @@ def plane_offsets(lengths: list[int], layers: int, hidden: int, layout: str = "p
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
+def fp8_scale_torch(amax):
+    """`pipeline.format.codec.fp8_scale` in torch: amax / 448 rounded up to a bf16 value (1 where amax is 0)."""
+    import torch
+
+    s = (amax / FP8_MAX).contiguous()
+    u = s.view(torch.int32)
+    up = torch.where((u & 0xFFFF) != 0, (u + 0x10000) & -0x10000, u).view(torch.float32)
+    return torch.where(amax > 0, up, torch.ones_like(up))
+
+
 def stage_fp8(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
     """`stage_torch` for an fp8 output: each request's body is the codec's fp8 layout (pipeline/format/codec.py):
     the aux column's float32 scales [K, n] and e4m3 values [K*H, n], then the final layer's scales [1, n] and
-    values [H, n]; one scale per token per layer (the smallest power of two >= amax / 448, as
-    `pipeline.format.codec.pow2_scale`; 1 for an all-zero row). The quantization runs
+    values [H, n]; one scale per token per layer (amax / 448 rounded up to a bf16 value, as
+    `pipeline.format.codec.fp8_scale`; 1 for an all-zero row). The quantization runs
     on the states' device, over the whole padded batch a layer at a time; padded positions are never copied."""
     import torch
 
@@ -59,11 +69,10 @@ def stage_fp8(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> 
         bad += (~torch.isfinite(states)).sum(-1, dtype=torch.int32)
     for li, states in enumerate(layers):
         amax = states.abs().amax(-1).float()  # [B, T]; exact in bf16
-        m, e = torch.frexp(amax / FP8_MAX)
-        scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
-        # In the states' own dtype: dividing by a power of two is exact there, and no float32 copy of the batch
-        # is made. Clamped: torch's cast to e4m3fn does not saturate (an infinite input would become NaN).
-        x = states / scale.unsqueeze(-1).to(states.dtype)
+        scale = fp8_scale_torch(amax)
+        # In float32, as the codec's reference (a bf16 quotient would round twice). Clamped: torch's cast to
+        # e4m3fn does not saturate (an infinite input would become NaN).
+        x = states.float() / scale.unsqueeze(-1)
         q = x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         channels = q.transpose(1, 2).contiguous()  # [B, H, T]: each request's values are then whole rows
         scale_bytes = scale.contiguous().view(torch.uint8).view(*scale.shape, 4)  # float32 as its 4 bytes

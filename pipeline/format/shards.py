@@ -36,7 +36,7 @@ SHARD_DIR = "shards"
 HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
 LAYOUT_DOC = {
     "planes": "bf16 bits as byte planes [2, W, T] (low plane stored, high plane per encoding), see README",
-    "fp8": "one zstd frame: float32 power-of-two scales [W/H, T] (one per token per layer block), then e4m3fn [W, T]",
+    "fp8": "one zstd frame: float32 scales (bf16 values) [W/H, T] (one per token per layer block), then e4m3fn [W, T]",
 }
 
 

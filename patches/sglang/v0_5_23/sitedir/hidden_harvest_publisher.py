@@ -16,7 +16,7 @@ Dump layout: 8-byte little-endian header length, a JSON header, the aux body and
 Layout `planes` (bf16 outputs): byte planes [2, K*H, T] and [2, H, T] (uint8; plane 0 low bytes,
 channel-major). Layout `fp8` (``HIDDEN_HARVEST_LAYOUT=fp8``, for an fp8 output): quantized here, on the
 device, so the actor only compresses: per column, float32 scales [B, T] (one per token per H-wide layer
-block: the smallest power of two >= amax / 448, 1 for an all-zero block), then the e4m3fn values [W, T],
+block: amax / 448 rounded up to a bf16 value, 1 for an all-zero block), then the e4m3fn values [W, T],
 channel-major. The header carries the sha256 of the input ids as
 the server saw them, the prefix length the server reused and the non-finite count, so the client can prove
 the dump belongs to what it sent, is complete and holds finite values without reading the data.
@@ -96,9 +96,11 @@ def _quantize_fp8(dst, x, rows: slice, hidden: int) -> None:
     b = w // hidden
     blocks = x.view(n, b, hidden).float()
     amax = blocks.abs().amax(-1)
-    # The smallest power of two >= amax / 448, exactly (frexp): the project's codec computes the same.
-    m, e = torch.frexp(amax / _FP8_MAX)
-    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
+    # amax / 448 rounded up to a bf16 value, on its float32 bits: the project's codec computes the same.
+    s = (amax / _FP8_MAX).contiguous()
+    u = s.view(torch.int32)
+    up = torch.where((u & 0xFFFF) != 0, (u + 0x10000) & -0x10000, u).view(torch.float32)
+    scale = torch.where(amax > 0, up, torch.ones_like(up))
     # Clamped: torch's cast to e4m3fn does not saturate (an infinite input would become NaN, not 448).
     q = (blocks / scale.unsqueeze(-1)).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     # The scales as their bytes: a request's place in the staging buffer need not be 4-byte aligned.
