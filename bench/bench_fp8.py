@@ -44,6 +44,7 @@ def run_job(config: str, out: Path, encoding: str, input_path: Path | None) -> d
     cmd += ["--set", f"output.encoding={encoding}"]
     if input_path is not None:
         cmd += ["--set", f"input.path={input_path}"]
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, cwd=ROOT)
     wall = time.monotonic() - t0
@@ -52,6 +53,9 @@ def run_job(config: str, out: Path, encoding: str, input_path: Path | None) -> d
     return {
         "encoding": encoding,
         "wall_s": round(wall, 1),
+        # The job's rate means something only on an otherwise idle machine: the 1-minute load average
+        # before it starts, and after it ends (the job itself brings it to about the core count).
+        "load_avg_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "samples_ok": m["totals"]["samples_ok"],
         "tokens": m["totals"]["tokens"],
         "bytes": m["totals"]["bytes"],
