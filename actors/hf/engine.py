@@ -108,7 +108,11 @@ class HFEngine:
     # Pinned slabs of the largest batch (actors/hf/pinned.py): two in the finisher's hands, the rest held by
     # captures the actor has not encoded yet. Past this many a batch allocates its own, counted in stats().
     # HIDDEN_HARVEST_PINNED_SLABS overrides it for benchmarks (0: every batch allocates, as before the slabs).
-    PINNED_SLABS = 6
+    # All of them are pinned at the warm-up: one grown mid-run (~0.5 GB for 16k tokens of a 4096-wide model with
+    # three aux layers) took ~1 s of the driver's lock from the forward thread, and with the fill floor's larger
+    # forwards the H200's long-tailed mix grew 4 slabs and missed 4 times: 6.0 s of allocation, 4.5 s of device
+    # idle between forwards (bench/results/longtail_adaptive_floor_h200.json).
+    PINNED_SLABS = 8
 
     @classmethod
     def kwargs_for(
@@ -576,12 +580,13 @@ class HFEngine:
 
     def _pinned_slabs(self, widths: tuple[int, int]) -> PinnedSlabs | None:
         """The copies' pinned buffers (actors/hf/pinned.py), made at the first copy, which is the warm-up's
-        forward of max_batch_tokens: one slab holds the largest batch's planes and counts."""
+        forward of max_batch_tokens: one slab holds the largest batch's planes and counts. Every slab is
+        pinned here, at the warm-up, where the time costs no forward."""
         if self._slabs is None and self._slab_limit > 0:
             w, h = widths
             # The body per token (two byte planes per value, or fp8 and a scale per layer), and an int32 count.
             per_token = body_per_token(w // h + 1, h, self.capture_layout) + 4
-            self._slabs = PinnedSlabs(self.max_batch_tokens * per_token + 8, self._slab_limit).reserve(2)
+            self._slabs = PinnedSlabs(self.max_batch_tokens * per_token + 8, self._slab_limit).reserve(self._slab_limit)
         return self._slabs
 
     def _finish_loop(self) -> None:
