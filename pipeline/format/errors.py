@@ -49,12 +49,16 @@ def error_file(digest: str) -> str:
     return f"{ERROR_DIR}/part-{digest}.jsonl"
 
 
-def write_errors(store: Store, rel: str, rows: list[ErrorRow]) -> None:
-    """One whole error file, put at once (a reader never sees part of it); no rows removes it."""
+def write_errors(store: Store, rel: str, rows: list[ErrorRow]) -> int:
+    """One whole error file, put at once (a reader never sees part of it); no rows removes it.
+    Returns the bytes written (the ids index records them)."""
     if rows:
-        store.write_bytes(rel, "".join(r.to_line() + "\n" for r in rows).encode())
-    elif store.exists(rel):
+        data = "".join(r.to_line() + "\n" for r in rows).encode()
+        store.write_bytes(rel, data)
+        return len(data)
+    if store.exists(rel):
         store.remove(rel)
+    return 0
 
 
 def error_files(store: Store) -> list[str]:
