@@ -196,15 +196,18 @@ def compact(store: Store, threads: int = 16) -> int:
     covered: set[str] = set()
     report = IndexReport()
     tmp = entry_name(f"compact-{uuid.uuid4().hex[:20]}")
-    with store.open_atomic(tmp) as f, pq.ParquetWriter(f, ENTRY_SCHEMA, compression="zstd") as writer:
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ids-index") as pool:
-            for table in _bounded_map(pool, lambda rel: _read_entry(store, rel), before, threads * 4):
-                for rel, part in _trusted(table, listing, report) if table is not None else ():
-                    if rel not in covered:
-                        covered.add(rel)
-                        n = part.num_rows
-                        files = [pa.array([rel] * n, pa.string()), pa.array([listing[rel]] * n, pa.int64())]
-                        writer.write_table(pa.table([*files, *part.columns], schema=ENTRY_SCHEMA))
+    with (
+        store.open_atomic(tmp) as f,
+        pq.ParquetWriter(f, ENTRY_SCHEMA, compression="zstd") as writer,
+        ThreadPoolExecutor(max(1, threads), thread_name_prefix="ids-index") as pool,
+    ):
+        for table in _bounded_map(pool, lambda rel: _read_entry(store, rel), before, threads * 4):
+            for rel, part in _trusted(table, listing, report) if table is not None else ():
+                if rel not in covered:
+                    covered.add(rel)
+                    n = part.num_rows
+                    files = [pa.array([rel] * n, pa.string()), pa.array([listing[rel]] * n, pa.int64())]
+                    writer.write_table(pa.table([*files, *part.columns], schema=ENTRY_SCHEMA))
     for rel in before:
         store.remove(rel)
     logger.info("index: %d entries merged into %s (%d files)", len(before), store.display(tmp), len(covered))
