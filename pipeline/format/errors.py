@@ -16,7 +16,7 @@ from typing import Literal
 from pipeline.format.storage import Store
 
 ERROR_DIR = "errors"
-# Rewritten by every run from the input; not a record of committed samples (see driver/job.committed_ids).
+# Rewritten by every run from the input; not a record of committed samples (see format/ids_index.committed_ids).
 DUPLICATES = f"{ERROR_DIR}/duplicates.jsonl"
 # Stages whose errors may pass on a second attempt (a server that died, a capture that failed validation);
 # parse and tokenize errors are properties of the input and never change.
