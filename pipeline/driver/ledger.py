@@ -125,7 +125,7 @@ class Ledger:
                       coalesce(sum(num_tokens) FILTER (NOT duplicate AND NOT committed), 0),
                       coalesce(sum(num_masked) FILTER (NOT duplicate AND NOT committed), 0)
                FROM decided"""
-        ).fetchone()
+        ).fetchall()[0]
         keys = ("samples", "input_rows", "duplicate_samples", "committed_samples", "rows", "tokens", "masked")
         return dict(zip(keys, (int(v) for v in row)))
 
@@ -141,7 +141,7 @@ class Ledger:
             """SELECT s.source, s.sample_id, d.sample_id, d.first_source
                FROM samples s JOIN dups d ON s.source = d.source ORDER BY s.source, s.sample_id"""
         )
-        while rows := cur.fetchmany(batch_rows):
+        while rows := cur.fetchmany(batch_rows):  # to the empty fetch: DuckDB then frees the result
             for source, sid, dup_sid, first in rows:
                 yield source, sid, _reason(dup_sid, first)
 
@@ -163,7 +163,7 @@ class Ledger:
                FROM (SELECT source, any_value(turns) AS turns, any_value(cost_full) AS cost_full,
                             any_value(cost_each) AS cost_each
                      FROM samples WHERE coalesce(turns, '') <> '' GROUP BY source)"""
-        ).fetchone()
+        ).fetchall()[0]
         unrendered = self.con.execute(
             """SELECT regexp_extract(f, '[^.]*$'), count(*) FROM (
                    SELECT unnest(string_split(unrendered, ',')) AS f FROM samples WHERE coalesce(unrendered, '') <> '')
