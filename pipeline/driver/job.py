@@ -135,7 +135,7 @@ def _run_locked(
     if cfg.plan.compact_index:
         # The next resume then reads one index file, not one per batch of this run.
         compact(store, cfg.plan.read_threads)
-    totals = _totals(store, work)
+    totals = _totals(store, work, cfg.plan.read_threads)
     write_manifest(
         store, dict(manifest, status="complete", totals=totals, last_run=_last_run(progress) | {"startup": start})
     )
@@ -202,9 +202,9 @@ def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, tokenized) -> Wor
     return work
 
 
-def _totals(store: Store, work: Work) -> dict:
+def _totals(store: Store, work: Work, read_threads: int) -> dict:
     """The output's totals from its committed files, and this input's: ok + errors + filtered == samples."""
-    totals = committed_totals(store)
+    totals = committed_totals(store, read_threads)
     totals["filtered"] += work.duplicate_samples
     totals["input_rows"] = work.input_rows
     totals["samples"] = work.samples
