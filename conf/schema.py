@@ -210,7 +210,10 @@ class PlanConfig(_Strict):
     read_threads: int = Field(32, ge=1, le=256)
     # Rows per batch of the planner's streams through the driver (samples into the ledger, keys out of it).
     batch_rows: int = Field(65536, ge=1024)
-    # Merge the run's index entries into one at its end, so the next resume reads one file.
+    # While the run goes on, the driver folds the batches' index entries into one per this many shards, so a
+    # resume after a kill reads few entries (pipeline/driver/checkpoint.py); at its end it merges them all into
+    # one, so the next resume reads one file.
+    checkpoint_every: int = Field(256, ge=1)
     compact_index: bool = True
 
 

@@ -20,6 +20,7 @@ from actors.extractor import HiddenStateExtractor
 from conf import HarvestConfig
 from pipeline.driver import support
 from pipeline.driver.budget import check_budget, estimate_bytes
+from pipeline.driver.checkpoint import IndexCheckpoint
 from pipeline.driver.plan import Plan
 from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.driver.progress import Progress, startup, startup_line
@@ -129,7 +130,14 @@ def _run_locked(
     reasons: Counter = Counter()
     extract_started = time.time()
     if work.rows:
-        _extract(cfg, plan, still_to_do(tokenized, work.skip), progress, reasons)
+        _extract(
+            cfg,
+            plan,
+            still_to_do(tokenized, work.skip),
+            progress,
+            reasons,
+            IndexCheckpoint(store, cfg.plan.checkpoint_every),
+        )
     start = startup(ray_start_s, read_s, extract_started, progress.actors)
     logger.info("%s", startup_line(start))
     if cfg.plan.compact_index:
@@ -232,7 +240,9 @@ def _last_run(progress: Progress) -> dict:
     }
 
 
-def _extract(cfg: HarvestConfig, plan: Plan, todo, progress: Progress, reasons: Counter) -> None:
+def _extract(
+    cfg: HarvestConfig, plan: Plan, todo, progress: Progress, reasons: Counter, checkpoint: IndexCheckpoint
+) -> None:
     """Map the remaining samples onto the actor pool; consume only their metadata rows here."""
     import ray.data
 
@@ -276,7 +286,15 @@ def _extract(cfg: HarvestConfig, plan: Plan, todo, progress: Progress, reasons: 
             batch["engine_stats"].to_pylist(),
         )
         reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), statuses) if st != "ok")
+        checkpoint.add_batch(
+            batch["sample_id"].to_pylist(),
+            statuses,
+            batch["num_tokens"].to_pylist(),
+            batch["bytes"].to_pylist(),
+            batch["shard"].to_pylist(),
+        )
         progress.maybe_log()
+    checkpoint.flush()
     progress.maybe_log(force=True)
 
 

@@ -121,3 +121,27 @@ def test_compaction_leaves_one_entry_with_the_same_answer(store):
     got, report = resume(store)
     assert got == truth
     assert report.entries == 1 and len(report.read) == 1  # batch 2's shard: it had no entry to merge
+
+
+def test_the_drivers_checkpoints_replace_the_batches_entries(store):
+    """Every `every` shards the driver puts one entry from the metadata rows it received and removes the
+    batches' own entries it covers; a batch with an error file keeps its own (the driver cannot vouch for it)."""
+    from pipeline.driver.checkpoint import IndexCheckpoint
+    from pipeline.format.shards import shard_name
+
+    ckpt = IndexCheckpoint(store, every=2)
+    truth = {}
+    for b in range(5):
+        errors = 2 if b == 3 else 0
+        ids = commit_fake_batch(store, b, PER_BATCH, errors=errors)
+        ok = ids[errors:]
+        size = store.size(shard_name(ok))
+        statuses = ["error"] * errors + ["ok"] * len(ok)
+        nbytes = [0] * errors + [size - (len(ok) - 1)] + [1] * (len(ok) - 1)  # shares that add up to the size
+        ckpt.add_batch(ids, statuses, [7] * len(ids), nbytes, [""] * errors + [shard_name(ok)] * len(ok))
+        truth.update(zip(ids, statuses))
+    ckpt.flush()
+    entries = store.list(INDEX_DIR, ".parquet")
+    assert ckpt.written == 3 and len(entries) == 4  # three checkpoints, and batch 3's own entry
+    got, report = resume(store)
+    assert got == truth and report.read == [] and report.stale == 0
