@@ -10,8 +10,9 @@ as tokenized rows made directly in Ray's object store (tokenizing is the same wi
 is measured by bench_plan_scale.py). Timed, for the same input and output, with the job's functions:
 decide_work (listing, committed ids, ledger, duplicates, skip keys) and then the filtered, repartitioned
 dataset until its first batch of extract.batch_size rows, i.e. what the actor pool would be handed first.
-Three states of the index: one entry per batch (a run that was killed), compacted into one (a run that ended),
-and none (every shard and error file read, 32 at a time).
+Four states of the index: one entry per batch (as the actors write them), as a killed run's driver leaves it
+(its checkpoints of 256 shards each, plus the entries of batches with an error file), compacted into one (a run
+that ended), and none (every shard and error file read, 32 at a time).
 """
 
 from __future__ import annotations
@@ -55,6 +56,29 @@ def build_output(url: str, shards: int, per_shard: int, threads: int) -> float:
     t0 = time.monotonic()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda b: commit_fake_batch(store, b, per_shard, errors=2 if b % 10 == 0 else 0), range(shards)))
+    return time.monotonic() - t0
+
+
+def checkpoint_as_the_driver_does(url: str, shards: int, per_shard: int, every: int) -> float:
+    """The index as a run's driver leaves it (pipeline/driver/checkpoint.py): its metadata rows folded into one
+    entry per `every` shards, the batches' own entries it covers removed."""
+    from pipeline.driver.checkpoint import IndexCheckpoint
+    from pipeline.format.shards import SHARD_DIR, shard_name
+    from pipeline.format.storage import Store
+
+    store = Store(url)
+    sizes = store.list_sizes(SHARD_DIR, ".parquet")
+    t0 = time.monotonic()
+    ckpt = IndexCheckpoint(store, every)
+    for b in range(shards):
+        errors = 2 if b % 10 == 0 else 0
+        ids = [f"b{b}-s{j}" for j in range(per_shard)]
+        ok = ids[errors:]
+        size = sizes[shard_name(ok)]
+        statuses = ["error"] * errors + ["ok"] * len(ok)
+        nbytes = [0] * errors + [size - (len(ok) - 1)] + [1] * (len(ok) - 1)
+        ckpt.add_batch(ids, statuses, [7] * per_shard, nbytes, [""] * errors + [shard_name(ok)] * len(ok))
+    ckpt.flush()
     return time.monotonic() - t0
 
 
@@ -124,6 +148,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=10_000)
     ap.add_argument("--ids-per-shard", type=int, default=100)
     ap.add_argument("--threads", type=int, default=32, help="plan.read_threads")
+    ap.add_argument("--skip-per-batch", action="store_true", help="do not time the index of one entry per batch")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "resume_s3_cpu.json")
     args = ap.parse_args()
 
@@ -154,7 +179,11 @@ def main() -> None:
         new = args.shards * args.ids_per_shard // 100
         tokenized = tokenized_input(args.shards, args.ids_per_shard, new)
         runs = {}
-        runs["index_one_entry_per_batch"] = resume_once(tokenized, url, 32, args.threads)
+        if not args.skip_per_batch:
+            runs["index_one_entry_per_batch"] = resume_once(tokenized, url, 32, args.threads)
+            print(json.dumps(runs), flush=True)
+        result["checkpoint_s"] = round(checkpoint_as_the_driver_does(url, args.shards, args.ids_per_shard, 256), 1)
+        runs["index_as_a_killed_run_leaves_it"] = resume_once(tokenized, url, 32, args.threads)
         print(json.dumps(runs), flush=True)
         t0 = time.monotonic()
         compact(Store(url), args.threads)
