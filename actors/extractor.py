@@ -50,6 +50,9 @@ RESULT_SCHEMA = pa.schema(
         ("engine_ready_unix", pa.float64()),  # when that actor's engine had started (rates after start-up)
         ("batch_started_unix", pa.float64()),  # when this batch reached the actor (dispatch gaps)
         ("engine_stats", pa.string()),  # the engine's counters so far as JSON, where it keeps them ("" otherwise)
+        # The size of the batch's committed error file (0: none), on every row of the batch: with the rows'
+        # ids and bytes it lets the driver vouch for the batch's files in the ids index (driver/checkpoint.py).
+        ("errors_bytes", pa.int64()),
     ]
 )
 
@@ -147,6 +150,8 @@ class HiddenStateExtractor:
                 results.append(_result(sid, e.status, e.stage, e.reason, len(r["input_ids"])))
         for sid, share in zip(shard.ids, shares):
             results.append(_result(sid, "ok", "", "", tokens[sid], share, name, latency.get(sid, 0.0)))
+        for r in results:
+            r["errors_bytes"] = errors_bytes
         return results
 
     def _capture(self, todo: dict[str, dict], shard: ShardWriter):

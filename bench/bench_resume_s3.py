@@ -11,7 +11,7 @@ is measured by bench_plan_scale.py). Timed, for the same input and output, with 
 decide_work (listing, committed ids, ledger, duplicates, skip keys) and then the filtered, repartitioned
 dataset until its first batch of extract.batch_size rows, i.e. what the actor pool would be handed first.
 Four states of the index: one entry per batch (as the actors write them), as a killed run's driver leaves it
-(its checkpoints of 256 shards each, plus the entries of batches with an error file), compacted into one (a run
+(its checkpoints of 256 batches each), compacted into one (a run
 that ended), and none (every shard and error file read, 32 at a time).
 """
 
@@ -63,11 +63,12 @@ def checkpoint_as_the_driver_does(url: str, shards: int, per_shard: int, every: 
     """The index as a run's driver leaves it (pipeline/driver/checkpoint.py): its metadata rows folded into one
     entry per `every` shards, the batches' own entries it covers removed."""
     from pipeline.driver.checkpoint import IndexCheckpoint
-    from pipeline.format.shards import SHARD_DIR, shard_name
+    from pipeline.format.errors import ERROR_DIR, error_file
+    from pipeline.format.shards import SHARD_DIR, ids_digest, shard_name
     from pipeline.format.storage import Store
 
     store = Store(url)
-    sizes = store.list_sizes(SHARD_DIR, ".parquet")
+    sizes = store.list_sizes(SHARD_DIR, ".parquet") | store.list_sizes(ERROR_DIR, ".jsonl")
     t0 = time.monotonic()
     ckpt = IndexCheckpoint(store, every)
     for b in range(shards):
@@ -77,7 +78,9 @@ def checkpoint_as_the_driver_does(url: str, shards: int, per_shard: int, every: 
         size = sizes[shard_name(ok)]
         statuses = ["error"] * errors + ["ok"] * len(ok)
         nbytes = [0] * errors + [size - (len(ok) - 1)] + [1] * (len(ok) - 1)
-        ckpt.add_batch(ids, statuses, [7] * per_shard, nbytes, [""] * errors + [shard_name(ok)] * len(ok))
+        errors_bytes = sizes[error_file(ids_digest(ids))] if errors else 0
+        shards_col = [""] * errors + [shard_name(ok)] * len(ok)
+        ckpt.add_batch(ids, statuses, [7] * per_shard, nbytes, shards_col, errors_bytes)
     ckpt.flush()
     return time.monotonic() - t0
 

@@ -292,6 +292,7 @@ def _extract(
             batch["num_tokens"].to_pylist(),
             batch["bytes"].to_pylist(),
             batch["shard"].to_pylist(),
+            batch["errors_bytes"][0].as_py() if batch.num_rows else 0,
         )
         progress.maybe_log()
     checkpoint.flush()

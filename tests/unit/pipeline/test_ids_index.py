@@ -124,9 +124,10 @@ def test_compaction_leaves_one_entry_with_the_same_answer(store):
 
 
 def test_the_drivers_checkpoints_replace_the_batches_entries(store):
-    """Every `every` shards the driver puts one entry from the metadata rows it received and removes the
-    batches' own entries it covers; a batch with an error file keeps its own (the driver cannot vouch for it)."""
+    """Every `every` batches the driver puts one entry from the metadata rows it received (shard bytes as the
+    rows' shares, the error file's size on every row) and removes the batches' own entries."""
     from pipeline.driver.checkpoint import IndexCheckpoint
+    from pipeline.format.errors import error_file
     from pipeline.format.shards import shard_name
 
     ckpt = IndexCheckpoint(store, every=2)
@@ -138,10 +139,12 @@ def test_the_drivers_checkpoints_replace_the_batches_entries(store):
         size = store.size(shard_name(ok))
         statuses = ["error"] * errors + ["ok"] * len(ok)
         nbytes = [0] * errors + [size - (len(ok) - 1)] + [1] * (len(ok) - 1)  # shares that add up to the size
-        ckpt.add_batch(ids, statuses, [7] * len(ids), nbytes, [""] * errors + [shard_name(ok)] * len(ok))
+        err = error_file(ids_digest(ids))
+        errors_bytes = store.size(err) if errors else 0
+        ckpt.add_batch(ids, statuses, [7] * len(ids), nbytes, [""] * errors + [shard_name(ok)] * len(ok), errors_bytes)
         truth.update(zip(ids, statuses))
     ckpt.flush()
     entries = store.list(INDEX_DIR, ".parquet")
-    assert ckpt.written == 3 and len(entries) == 4  # three checkpoints, and batch 3's own entry
+    assert ckpt.written == 3 and len(entries) == 3 and all("ckpt-" in e for e in entries)
     got, report = resume(store)
     assert got == truth and report.read == [] and report.stale == 0
