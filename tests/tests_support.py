@@ -258,7 +258,7 @@ def commit_fake_batch(store, batch: int, ids_per_batch: int, errors: int = 0, in
     digest = ids_digest(ids)
     rows = [ErrorRow(sid, f"in.jsonl:{batch}", "error", "extract", "fake") for sid in bad]
     errors_rel = error_file(digest)
-    errors_bytes = write_errors(store, errors_rel, rows)
+    errors_bytes = write_errors(store, errors_rel, rows) if rows else 0
     files = []
     if ok:
         sink = io.BytesIO()

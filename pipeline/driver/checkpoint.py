@@ -12,6 +12,7 @@ replaces are removed.
 from __future__ import annotations
 
 import logging
+import os
 
 from pipeline.format.errors import error_file
 from pipeline.format.ids_index import entry_name, write_entry
@@ -56,9 +57,13 @@ class IndexCheckpoint:
         files = [(rel, size, rows) for rel, (size, rows) in sorted(self._files.items())]
         write_entry(self.store, f"ckpt-{ids_digest(sorted(self._files))}", files)
         self.written += 1
-        for rel in self._redundant:
-            try:
-                self.store.remove(rel)
-            except FileNotFoundError:
-                pass  # a batch whose entry was never written (or was merged already)
+        paths = [self.store.path(rel) for rel in self._redundant]
+        if self.store.local:
+            for path in paths:
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass  # a batch whose entry was never written
+        else:
+            self.store.fs.rm(paths)  # one request per 1,000 keys; a key already gone is no error
         self._files, self._redundant = {}, []
