@@ -34,7 +34,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def start_moto() -> str:
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request costs the server's time
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
