@@ -210,11 +210,11 @@ class PlanConfig(_Strict):
     read_threads: int = Field(32, ge=1, le=256)
     # Rows per batch of the planner's streams through the driver (samples into the ledger, keys out of it).
     batch_rows: int = Field(65536, ge=1024)
-    # While the run goes on, the driver folds the batches' index entries into one per this many shards, so a
-    # resume after a kill reads few entries (pipeline/driver/checkpoint.py); at its end it merges them all into
-    # one, so the next resume reads one file.
+    # While the run goes on, the driver folds the batches' index entries into one per this many batches, so a
+    # resume (after a kill or not) reads few entries, each of a bounded size (pipeline/driver/checkpoint.py).
+    # Measured on S3 with 10,000 shards: checkpoints of 256 took resume to its first batch in 41.5 s, one entry
+    # of all 1,000,000 ids in 49.7 s (read whole by one thread) and more driver memory.
     checkpoint_every: int = Field(256, ge=1)
-    compact_index: bool = True
 
 
 class RayConfig(_Strict):

@@ -27,7 +27,7 @@ from pipeline.driver.progress import Progress, startup, startup_line
 from pipeline.driver.quiet import spend_actor_restart_notice
 from pipeline.driver.work import Work, decide_work, still_to_do
 from pipeline.format.errors import ERROR_DIR, reopen_transient_errors
-from pipeline.format.ids_index import INDEX_DIR, compact
+from pipeline.format.ids_index import INDEX_DIR
 from pipeline.format.manifest import base_manifest, check_settings, committed_totals, read_manifest, write_manifest
 from pipeline.format.shards import SHARD_DIR
 from pipeline.format.storage import Store, human_bytes
@@ -140,9 +140,6 @@ def _run_locked(
         )
     start = startup(ray_start_s, read_s, extract_started, progress.actors)
     logger.info("%s", startup_line(start))
-    if cfg.plan.compact_index:
-        # The next resume then reads one index file, not one per batch of this run.
-        compact(store, cfg.plan.read_threads)
     totals = _totals(store, work, cfg.plan.read_threads)
     write_manifest(
         store, dict(manifest, status="complete", totals=totals, last_run=_last_run(progress) | {"startup": start})

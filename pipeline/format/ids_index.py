@@ -9,7 +9,9 @@ ids). Every listed file no trusted entry covers (an entry that was never written
 date) has its ids read from the file itself: a stale or missing index costs time, never a wrong answer.
 
 An entry is a table of rows (file, file_bytes, sample_id, status, num_tokens); one entry may cover any number of
-files, so entries can be merged into one (`compact`).
+files: the driver folds the batches' entries into checkpoints as the run goes (pipeline/driver/checkpoint.py), and
+`compact` merges whatever an output holds into one (for outputs written before checkpoints; one entry is read
+whole by one thread, so at a million ids checkpoints of a few hundred batches are faster to resume from).
 """
 
 from __future__ import annotations
