@@ -193,7 +193,9 @@ def main() -> None:
                 raise SystemExit(proc.stderr[-4000:])
             figures = json.loads(proc.stdout.strip().splitlines()[-1])
         runs[str(n)] = made | figures
-        runs[str(n)]["command"] = shlex.join(["python", "bench/bench_plan_scale.py", *sys.argv[1:]])
+        # The other checkout's place on this machine is no part of the result.
+        argv = ["OTHER_CHECKOUT" if a == str(args.code) and args.code != ROOT else a for a in sys.argv[1:]]
+        runs[str(n)]["command"] = shlex.join(["python", "bench/bench_plan_scale.py", *argv])
         print(json.dumps({args.label: {n: runs[str(n)]}}), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
