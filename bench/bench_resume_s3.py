@@ -10,9 +10,9 @@ as tokenized rows made directly in Ray's object store (tokenizing is the same wi
 is measured by bench_plan_scale.py). Timed, for the same input and output, with the job's functions:
 decide_work (listing, committed ids, ledger, duplicates, skip keys) and then the filtered, repartitioned
 dataset until its first batch of extract.batch_size rows, i.e. what the actor pool would be handed first.
-Four states of the index: one entry per batch (as the actors write them), as a killed run's driver leaves it
-(its checkpoints of 256 batches each), compacted into one (a run
-that ended), and none (every shard and error file read, 32 at a time).
+Four states of the index: one entry per batch (as the actors write them; only with --per-batch), as a run's
+driver leaves it (its checkpoints of 256 batches each), compacted into one entry (ids_index.compact), and none
+(every shard and error file read, 32 at a time).
 """
 
 from __future__ import annotations
