@@ -1,7 +1,7 @@
 """The Ray Data stage that owns an engine replica: tokens in, committed shards and metadata rows out.
 
 Per batch: capture every ok sample (bounded retries), validate it, encode it, commit one shard and one
-error file, and return one small metadata row per input row. Hidden states never leave this actor except
+error file (and their entry in the ids index), and return one small metadata row per input row. Hidden states never leave this actor except
 as a committed shard. A failing sample becomes an error row; a dead engine raises.
 
 The overlap is one small bounded pipeline: Ray Data runs up to `engine.batches_per_actor` calls of this
@@ -29,6 +29,7 @@ from actors.engine import Engine, engine_class
 from actors.metrics import ExtractorMetrics
 from actors.validate import check_capture
 from pipeline.format.errors import ErrorRow, error_file, write_errors
+from pipeline.format.ids_index import write_entry
 from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter, encode_sample, ids_digest
 from pipeline.format.storage import Store
 
@@ -49,6 +50,9 @@ RESULT_SCHEMA = pa.schema(
         ("engine_ready_unix", pa.float64()),  # when that actor's engine had started (rates after start-up)
         ("batch_started_unix", pa.float64()),  # when this batch reached the actor (dispatch gaps)
         ("engine_stats", pa.string()),  # the engine's counters so far as JSON, where it keeps them ("" otherwise)
+        # The size of the batch's committed error file (0: none), on every row of the batch: with the rows'
+        # ids and bytes it lets the driver vouch for the batch's files in the ids index (driver/checkpoint.py).
+        ("errors_bytes", pa.int64()),
     ]
 )
 
@@ -123,10 +127,20 @@ class HiddenStateExtractor:
             elif sid in failed:
                 error_rows.append(ErrorRow(sid, r["source"], "error", "extract", failed[sid]))
 
-        write_errors(self.store, error_file(ids_digest([r["sample_id"] for r in rows])), error_rows)
+        digest = ids_digest([r["sample_id"] for r in rows])
+        errors_rel = error_file(digest)
+        errors_bytes = write_errors(self.store, errors_rel, error_rows)
         name, shard_bytes = shard.commit()
         shares = _split_exact(shard_bytes, shard.encoded_bytes)
         tokens = {r["sample_id"]: len(r["input_ids"]) for r in rows}
+        # Last, after both files: an entry names only committed files, and one missing (a crash here) only
+        # means resume reads these two files instead (pipeline/format/ids_index.py).
+        files = []
+        if name:
+            files.append((name, shard_bytes, [(sid, "ok", tokens[sid]) for sid in shard.ids]))
+        if errors_bytes:
+            files.append((errors_rel, errors_bytes, [(e.sample_id, e.status, 0) for e in error_rows]))
+        write_entry(self.store, digest, files)
 
         errors_by_id = {e.sample_id: e for e in error_rows}
         for r in rows:
@@ -136,6 +150,8 @@ class HiddenStateExtractor:
                 results.append(_result(sid, e.status, e.stage, e.reason, len(r["input_ids"])))
         for sid, share in zip(shard.ids, shares):
             results.append(_result(sid, "ok", "", "", tokens[sid], share, name, latency.get(sid, 0.0)))
+        for r in results:
+            r["errors_bytes"] = errors_bytes
         return results
 
     def _capture(self, todo: dict[str, dict], shard: ShardWriter):

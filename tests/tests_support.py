@@ -238,3 +238,35 @@ def damaged_samples_fail(out, device: str = "cpu", max_samples: int | None = Non
             seen["least_excess"] = round(min(seen["least_excess"], excess), 2)
     assert set(caught) >= {"shifted", "offset", "corrupted"} and "swapped" in caught, caught
     return caught, routers
+
+
+def commit_fake_batch(store, batch: int, ids_per_batch: int, errors: int = 0, index: bool = True) -> list[str]:
+    """What one actor batch commits, with only the columns resume reads: a shard of `ids_per_batch - errors`
+    ids (sample_id, num_tokens), an error file of `errors` ids and the batch's ids-index entry, under the
+    names the job gives them. Returns the batch's ids."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.format.errors import ErrorRow, error_file, write_errors
+    from pipeline.format.ids_index import write_entry
+    from pipeline.format.shards import ids_digest, shard_name
+
+    ids = [f"b{batch}-s{j}" for j in range(ids_per_batch)]
+    ok, bad = ids[errors:], ids[:errors]
+    digest = ids_digest(ids)
+    rows = [ErrorRow(sid, f"in.jsonl:{batch}", "error", "extract", "fake") for sid in bad]
+    errors_rel = error_file(digest)
+    errors_bytes = write_errors(store, errors_rel, rows) if rows else 0
+    files = []
+    if ok:
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"sample_id": ok, "num_tokens": pa.array([7] * len(ok), pa.int32())}), sink)
+        store.write_bytes(shard_name(ok), sink.getvalue())
+        files.append((shard_name(ok), len(sink.getvalue()), [(sid, "ok", 7) for sid in ok]))
+    if errors_bytes:
+        files.append((errors_rel, errors_bytes, [(r.sample_id, r.status, 0) for r in rows]))
+    if index:
+        write_entry(store, digest, files)
+    return ids

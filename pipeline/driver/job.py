@@ -1,7 +1,8 @@
 """The job: build the lazy Ray Datasets and drive them. Never calls ray.init (the CLI decides the cluster).
 
-Two phases. Tokenize is cheap and small (token ids only), so it is materialized first: that gives
-exact totals for progress, finds duplicate ids, and lets resume drop samples already committed.
+Two phases. Tokenize is cheap and small (token ids only), so it is materialized first (in Ray's object store,
+which spills to disk): that gives exact totals for progress, finds duplicate ids, and lets resume drop samples
+already committed, all decided in an on-disk ledger (work.py), never as every id in driver memory.
 Then extraction maps batches onto the actor pool; only metadata rows come back to the driver.
 """
 
@@ -14,48 +15,27 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import pyarrow as pa
-
 from actors.engine import engine_class
 from actors.extractor import HiddenStateExtractor
 from conf import HarvestConfig
 from pipeline.driver import support
 from pipeline.driver.budget import check_budget, estimate_bytes
+from pipeline.driver.checkpoint import IndexCheckpoint
 from pipeline.driver.plan import Plan
 from pipeline.driver.preflight import check_gpus, cluster_gpus_per_node, lock_output, plan_or_refuse
 from pipeline.driver.progress import Progress, startup, startup_line
 from pipeline.driver.quiet import spend_actor_restart_notice
-from pipeline.format.errors import (
-    DUPLICATES,
-    ERROR_DIR,
-    ErrorRow,
-    error_files,
-    read_errors,
-    reopen_transient_errors,
-    write_errors,
-)
+from pipeline.driver.work import Work, decide_work, still_to_do
+from pipeline.format.errors import ERROR_DIR, reopen_transient_errors
+from pipeline.format.ids_index import INDEX_DIR
 from pipeline.format.manifest import base_manifest, check_settings, committed_totals, read_manifest, write_manifest
-from pipeline.format.shards import SHARD_DIR, list_shards, shard_sample_ids
+from pipeline.format.shards import SHARD_DIR
 from pipeline.format.storage import Store, human_bytes
 from pipeline.intake.model import vocab_size
 from pipeline.intake.read import read_jsonl
 from pipeline.intake.stage import TokenizeLines
-from pipeline.intake.tokenize import TOKENIZED_SCHEMA
 
 logger = logging.getLogger(__name__)
-
-# The per-sample metadata the driver needs; never the token ids.
-INDEX_COLUMNS = (
-    "sample_id",
-    "source",
-    "num_tokens",
-    "num_masked",
-    "status",
-    "turns",
-    "cost_full",
-    "cost_each",
-    "unrendered",
-)
 
 
 def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
@@ -77,78 +57,6 @@ def tokenized_dataset(cfg: HarvestConfig, plan: Plan):
         # Tokenizing is CPU-bound and cheap next to extraction; a few actors keep it off the critical path.
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4),
     )
-
-
-def conversation_summary(index: pa.Table, policy: str) -> dict:
-    """What extract.turns chose for this input and its token cost, per input row (a row's samples repeat it)."""
-    per_row: dict[str, tuple[str, int, int]] = {}
-    unrendered: Counter = Counter()
-    for source, turns, full, each, missing in zip(
-        *(index[c].to_pylist() for c in ("source", "turns", "cost_full", "cost_each", "unrendered"))
-    ):
-        if turns:
-            per_row[source] = (turns, full, each)
-        unrendered.update(f.split(".")[-1] for f in (missing or "").split(",") if f)
-    chosen = Counter(t for t, _, _ in per_row.values())
-    tokens_full = sum(f for _, f, _ in per_row.values())
-    tokens_each = sum(e for _, _, e in per_row.values())
-    tokens_chosen = sum(f if t == "full" else e for t, f, e in per_row.values())
-    plan = (
-        f"extract.turns={policy}: {len(per_row)} conversations, {chosen['full']} rendered whole, {chosen['each']} "
-        f"one sample per assistant turn; tokens {tokens_chosen} (full would be {tokens_full}, each {tokens_each})"
-    )
-    return {
-        "turns": policy,
-        "conversations": len(per_row),
-        "full": chosen["full"],
-        "each": chosen["each"],
-        "tokens_full": tokens_full,
-        "tokens_each": tokens_each,
-        "tokens_chosen": tokens_chosen,
-        "unrendered": dict(unrendered),
-        "plan": plan,
-    }
-
-
-def index_of(tokenized) -> pa.Table:
-    """The small columns of every tokenized row; an input of empty files gives an empty table, not an error."""
-    import ray
-
-    tables = [t for t in ray.get(tokenized.select_columns(list(INDEX_COLUMNS)).to_arrow_refs()) if t.num_rows]
-    return pa.concat_tables(tables) if tables else TOKENIZED_SCHEMA.empty_table().select(list(INDEX_COLUMNS))
-
-
-def committed_ids(store: Store) -> set[str]:
-    """Samples already decided: in a committed shard or a committed error file (ids only, no hidden states)."""
-    done: set[str] = set()
-    for rel in list_shards(store):
-        done.update(shard_sample_ids(store, rel))
-    for rel in error_files(store):
-        done.update(row.sample_id for row in read_errors(store, rel))
-    return done
-
-
-def find_duplicates(ids: pa.Table) -> dict[str, str]:
-    """(source -> reason) for every input row after the first whose sample ids repeat another row's.
-
-    One row may give several samples (one per assistant turn); they share the row's source and are
-    never duplicates of each other. A duplicated row is skipped whole.
-    """
-    first: dict[str, str] = {}
-    dups: dict[str, str] = {}
-    for sid, source in sorted(
-        zip(ids["sample_id"].to_pylist(), ids["source"].to_pylist()), key=lambda r: _source_key(r[1])
-    ):
-        if sid in first and first[sid] != source:
-            dups.setdefault(source, f"duplicate sample_id {sid!r} (first seen at {first[sid]})")
-        else:
-            first[sid] = source
-    return dups
-
-
-def _source_key(source: str):
-    path, _, line = source.rpartition(":")
-    return (path, int(line) if line.isdigit() else 0)
 
 
 def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
@@ -183,27 +91,6 @@ class RunSummary:
     output: str
 
 
-@dataclass(frozen=True)
-class Work:
-    """What this run has to do, decided from the tokenized input and the output's committed files."""
-
-    index: pa.Table  # the small columns of every tokenized sample
-    duplicates: dict[str, str]  # source -> reason, for every input row whose ids repeat an earlier row's
-    done: set[str]  # sample ids already committed (as data or as an error)
-    rows: int  # samples to extract
-    tokens: int
-    masked: int  # their loss-masked tokens (the budget of a masked final state)
-    conversations: dict  # extract.turns' choices and their cost
-
-    @property
-    def input_rows(self) -> int:
-        return len(set(self.index["source"].to_pylist()))
-
-    @property
-    def duplicate_samples(self) -> int:
-        return sum(s in self.duplicates for s in self.index["source"].to_pylist())
-
-
 def run(cfg: HarvestConfig, retry_errors: bool = False, ray_start_s: float | None = None) -> RunSummary:
     """The whole job; refuses (PreflightError, OutputLocked) before any extraction when it cannot work.
 
@@ -234,9 +121,8 @@ def _run_locked(
     write_manifest(store, dict(manifest, status="running", totals=(existing or {}).get("totals")))
     t0 = time.monotonic()
     tokenized = tokenized_dataset(cfg, plan).materialize()
-    index = index_of(tokenized)
     read_s = time.monotonic() - t0
-    work = _decide_work(cfg, plan, store, index)
+    work = _decide_work(cfg, plan, store, tokenized)
     manifest["conversations"] = {k: v for k, v in work.conversations.items() if k != "plan"}
     need = check_budget(store, plan.layout, work.tokens, work.masked, cfg.output.check_free_space)
     manifest["storage_estimate"] = {"encoding": plan.layout.encoding, "bytes": need}
@@ -244,10 +130,17 @@ def _run_locked(
     reasons: Counter = Counter()
     extract_started = time.time()
     if work.rows:
-        _extract(cfg, plan, tokenized, set(work.duplicates), work.done, progress, reasons)
+        _extract(
+            cfg,
+            plan,
+            still_to_do(tokenized, work.skip),
+            progress,
+            reasons,
+            IndexCheckpoint(store, cfg.plan.checkpoint_every),
+        )
     start = startup(ray_start_s, read_s, extract_started, progress.actors)
     logger.info("%s", startup_line(start))
-    totals = _totals(store, work)
+    totals = _totals(store, work, cfg.plan.read_threads)
     write_manifest(
         store, dict(manifest, status="complete", totals=totals, last_run=_last_run(progress) | {"startup": start})
     )
@@ -261,38 +154,34 @@ def _open_output(store: Store, plan: Plan, retry_errors: bool) -> dict | None:
     check_settings(existing, plan.settings)
     store.clean_temporaries(SHARD_DIR)
     store.clean_temporaries(ERROR_DIR)
+    store.clean_temporaries(INDEX_DIR)
     if retry_errors:
         n = reopen_transient_errors(store)
         logger.info("--retry-errors: %d samples with a transient (engine/extract) error will run again", n)
     return existing
 
 
-def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, index: pa.Table) -> Work:
+def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, tokenized) -> Work:
     """Drop duplicated rows (recorded in the duplicates file) and samples already committed; log the plan."""
-    ids, sources = index["sample_id"].to_pylist(), index["source"].to_pylist()
-    dups = find_duplicates(index)
-    done = committed_ids(store)
-    if dups:
-        # One line per skipped sample, like every other error file (a duplicated row may hold several turns).
-        skipped = sorted((s, sid) for sid, s in zip(ids, sources) if s in dups)
-        write_errors(store, DUPLICATES, [ErrorRow(sid, s, "filtered", "dedup", dups[s]) for s, sid in skipped])
-    keep = [s not in dups and sid not in done for sid, s in zip(ids, sources)]
-    work = Work(
-        index,
-        dups,
-        done,
-        rows=sum(keep),
-        tokens=sum(n for n, k in zip(index["num_tokens"].to_pylist(), keep) if k),
-        masked=sum(n for n, k in zip(index["num_masked"].to_pylist(), keep) if k),
-        conversations=conversation_summary(index, cfg.extract.turns),
+    t0 = time.monotonic()
+    p = cfg.plan
+    work = decide_work(
+        tokenized,
+        store,
+        cfg.extract.turns,
+        p.ledger_dir,
+        p.ledger_memory_mb,
+        p.ledger_threads,
+        p.read_threads,
+        p.batch_rows,
     )
-    samples = index.num_rows
+    logger.info("planned in %.1f s; %s", time.monotonic() - t0, work.index.line())
     logger.info(
         "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens, ~%s in %s), "
         "device=%s; %s; %s with %s: %s",
         work.input_rows,
-        samples,
-        samples - work.rows - work.duplicate_samples,
+        work.samples,
+        work.committed_samples,
         work.duplicate_samples,
         work.rows,
         work.tokens,
@@ -318,12 +207,12 @@ def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, index: pa.Table) 
     return work
 
 
-def _totals(store: Store, work: Work) -> dict:
+def _totals(store: Store, work: Work, read_threads: int) -> dict:
     """The output's totals from its committed files, and this input's: ok + errors + filtered == samples."""
-    totals = committed_totals(store)
+    totals = committed_totals(store, read_threads)
     totals["filtered"] += work.duplicate_samples
     totals["input_rows"] = work.input_rows
-    totals["samples"] = work.index.num_rows
+    totals["samples"] = work.samples
     totals["accounted"] = totals["samples_ok"] + totals["errors"] + totals["filtered"]
     return totals
 
@@ -349,12 +238,11 @@ def _last_run(progress: Progress) -> dict:
 
 
 def _extract(
-    cfg: HarvestConfig, plan: Plan, tokenized, skip_sources: set, done: set, progress: Progress, reasons: Counter
+    cfg: HarvestConfig, plan: Plan, todo, progress: Progress, reasons: Counter, checkpoint: IndexCheckpoint
 ) -> None:
     """Map the remaining samples onto the actor pool; consume only their metadata rows here."""
     import ray.data
 
-    todo = _still_to_do(tokenized, skip_sources, done)
     # One block per actor batch: every actor gets work, and each committed shard reports back at once
     # (a large block would run on one actor and return all its metadata rows at the end).
     batch_size, batches = cfg.batch_size(plan.cuda), cfg.engine.batches(plan.cuda)
@@ -395,21 +283,17 @@ def _extract(
             batch["engine_stats"].to_pylist(),
         )
         reasons.update(r.split(" (after")[0][:80] for r, st in zip(batch["reason"].to_pylist(), statuses) if st != "ok")
+        checkpoint.add_batch(
+            batch["sample_id"].to_pylist(),
+            statuses,
+            batch["num_tokens"].to_pylist(),
+            batch["bytes"].to_pylist(),
+            batch["shard"].to_pylist(),
+            batch["errors_bytes"][0].as_py() if batch.num_rows else 0,
+        )
         progress.maybe_log()
+    checkpoint.flush()
     progress.maybe_log(force=True)
-
-
-def _still_to_do(tokenized, skip_sources: set, done: set):
-    """The rows neither committed nor a duplicate's: an expression Arrow evaluates per block (a Python predicate
-    per row is slower, and Ray warns about it on every run), and no filter at all on a fresh output."""
-    from ray.data.expressions import col
-
-    keep = None
-    for column, values in (("source", skip_sources), ("sample_id", done)):
-        if values:
-            cond = col(column).not_in(sorted(values))
-            keep = cond if keep is None else keep & cond
-    return tokenized if keep is None else tokenized.filter(expr=keep)
 
 
 class EngineStartTimeout(RuntimeError):

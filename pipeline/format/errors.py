@@ -7,14 +7,16 @@ stage have the same keys and the totals count them the same way.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from pipeline.format.storage import Store
 
 ERROR_DIR = "errors"
-# Rewritten by every run from the input; not a record of committed samples (see driver/job.committed_ids).
+# Rewritten by every run from the input; not a record of committed samples (see format/ids_index.committed_ids).
 DUPLICATES = f"{ERROR_DIR}/duplicates.jsonl"
 # Stages whose errors may pass on a second attempt (a server that died, a capture that failed validation);
 # parse and tokenize errors are properties of the input and never change.
@@ -49,12 +51,23 @@ def error_file(digest: str) -> str:
     return f"{ERROR_DIR}/part-{digest}.jsonl"
 
 
-def write_errors(store: Store, rel: str, rows: list[ErrorRow]) -> None:
-    """One whole error file, put at once (a reader never sees part of it); no rows removes it."""
-    if rows:
-        store.write_bytes(rel, "".join(r.to_line() + "\n" for r in rows).encode())
-    elif store.exists(rel):
-        store.remove(rel)
+def write_errors(store: Store, rel: str, rows: Iterable[ErrorRow]) -> int:
+    """One whole error file, committed at once (a reader never sees part of it) and written as the rows come
+    (the duplicates of a large input are never all in memory); no rows removes it.
+    Returns the bytes written (the ids index records them)."""
+    rows = iter(rows)
+    first = next(rows, None)
+    if first is None:
+        if store.exists(rel):
+            store.remove(rel)
+        return 0
+    written = 0
+    with store.open_atomic(rel) as f:
+        for r in itertools.chain([first], rows):
+            line = (r.to_line() + "\n").encode()
+            f.write(line)
+            written += len(line)
+    return written
 
 
 def error_files(store: Store) -> list[str]:

@@ -10,10 +10,10 @@ import json
 import logging
 import time
 
-import pyarrow.parquet as pq
+import pyarrow.compute as pc
 
-from pipeline.format.errors import error_files, read_errors
-from pipeline.format.shards import FORMAT_VERSION, list_shards
+from pipeline.format.ids_index import committed_ids
+from pipeline.format.shards import FORMAT_VERSION, SHARD_DIR
 from pipeline.format.storage import Store, redact
 
 logger = logging.getLogger(__name__)
@@ -60,27 +60,26 @@ def check_settings(existing: dict | None, settings: dict) -> None:
         )
 
 
-def committed_totals(store: Store) -> dict:
-    """Totals from committed files only: shard footers and the num_tokens column, error files."""
-    ok = tokens = nbytes = 0
-    shards = list_shards(store)
-    for rel in shards:
-        with store.fs.open(store.path(rel), "rb") as f:
-            t = pq.read_table(f, columns=["num_tokens"])
-        ok += t.num_rows
-        tokens += int(t["num_tokens"].to_numpy().sum()) if t.num_rows else 0
-        nbytes += store.size(rel)
+def committed_totals(store: Store, threads: int = 16) -> dict:
+    """Totals from committed files only: their ids and token counts through the ids index (each file the index
+    does not vouch for is read itself), their bytes from one listing."""
+    sizes = store.list_sizes(SHARD_DIR, ".parquet")
+    ok = tokens = 0
     counts = {"error": 0, "filtered": 0}
-    for rel in error_files(store):
-        for row in read_errors(store, rel):
-            counts[row.status] = counts.get(row.status, 0) + 1
+    for t in committed_ids(store, threads):
+        statuses = t["status"].to_pylist()
+        for status in set(statuses) - {"ok"}:
+            counts[status] = counts.get(status, 0) + statuses.count(status)
+        is_ok = pc.equal(t["status"], "ok")
+        ok += int(pc.sum(is_ok.cast("int64")).as_py() or 0)
+        tokens += int(pc.sum(pc.filter(t["num_tokens"], is_ok)).as_py() or 0)
     return {
         "samples_ok": ok,
         "errors": counts["error"],
         "filtered": counts["filtered"],
         "tokens": tokens,
-        "bytes": nbytes,
-        "shards": len(shards),
+        "bytes": sum(sizes.values()),
+        "shards": len(sizes),
     }
 
 

@@ -122,6 +122,20 @@ class Store:
         names = sorted(posixpath.basename(e.rstrip("/")) for e in entries)
         return [posixpath.join(rel_dir, n) for n in names if n.endswith(suffix) and not n.startswith(TMP_PREFIX)]
 
+    def list_sizes(self, rel_dir: str, suffix: str = "") -> dict[str, int]:
+        """Committed files under rel_dir with their sizes, from one listing (no request per file)."""
+        base = self.path(rel_dir)
+        try:
+            entries = self.fs.ls(base, detail=True) if self.local else self.fs.ls(base, detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        sizes = {}
+        for e in entries:
+            name = posixpath.basename(e["name"].rstrip("/"))
+            if e.get("type") != "directory" and name.endswith(suffix) and not name.startswith(TMP_PREFIX):
+                sizes[posixpath.join(rel_dir, name)] = int(e["size"])
+        return dict(sorted(sizes.items()))
+
     def size(self, rel: str) -> int:
         return int(self.fs.size(self.path(rel)))
 

@@ -16,6 +16,7 @@ from actors.extractor import HiddenStateExtractor, _split_exact
 from pipeline.format.codec import to_planes
 from pipeline.format.shards import ShardLayout, open_shards, shard_name
 from pipeline.format.shards import ids_digest as batch_digest
+from pipeline.format.storage import Store
 
 
 @pytest.mark.parametrize(
@@ -173,3 +174,19 @@ def test_a_capture_with_nonfinite_values_is_retried_then_an_error_row(tmp_path):
     assert out["c-1"]["status"] == "error" and out["c-1"]["reason"].startswith("1 non-finite hidden-state values")
     assert [out[k]["status"] for k in ("c-0", "c-2")] == ["ok", "ok"]
     assert sorted(s["sample_id"] for s in open_shards(str(tmp_path), as_torch=False)) == ["c-0", "c-2"]
+
+
+def test_each_batch_puts_an_index_entry_that_resume_trusts_for_both_its_files(tmp_path):
+    """The batch's shard and error file are named in one entry, with their sizes and ids: resume reads neither."""
+    from pipeline.format.ids_index import IndexReport, committed_ids
+
+    engine = StandInEngine(window=2, delay_s=0.0, nan_keys={"d-1"})
+    stage = make_stage(tmp_path, engine)
+    stage(batch("d", 4))
+    stage.close()
+    report = IndexReport()
+    got = {}
+    for t in committed_ids(Store(str(tmp_path)), threads=2, report=report):
+        got.update(zip(t["sample_id"].to_pylist(), zip(t["status"].to_pylist(), t["num_tokens"].to_pylist())))
+    assert (report.entries, report.files, report.from_index, report.read) == (1, 2, 2, [])
+    assert got == {"d-0": ("ok", 3), "d-1": ("error", 0), "d-2": ("ok", 5), "d-3": ("ok", 6)}

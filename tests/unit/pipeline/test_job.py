@@ -1,9 +1,7 @@
 import re
 
-import pyarrow as pa
 import pytest
 
-from pipeline.driver.job import conversation_summary, find_duplicates
 from pipeline.driver.plan import default_aux_layers, make_plan
 
 
@@ -52,67 +50,6 @@ def test_default_aux_layers_are_sglangs_own_eagle3_default(module, cls_name, lay
         return list(model.model.layers_to_capture)
 
     assert captured(list(default_aux_layers(layers))) == captured(None)
-
-
-def table(rows):
-    return pa.table({"sample_id": [r[0] for r in rows], "source": [r[1] for r in rows]})
-
-
-def test_no_duplicates():
-    assert find_duplicates(table([("a", "f:1"), ("b", "f:2")])) == {}
-
-
-def test_first_by_file_and_numeric_line_is_kept():
-    rows = [("x", "data/a.jsonl:10"), ("x", "data/a.jsonl:9"), ("y", "data/a.jsonl:2"), ("x", "data/b.jsonl:1")]
-    dups = find_duplicates(table(rows))
-    assert dups == {
-        "data/a.jsonl:10": "duplicate sample_id 'x' (first seen at data/a.jsonl:9)",
-        "data/b.jsonl:1": "duplicate sample_id 'x' (first seen at data/a.jsonl:9)",
-    }
-
-
-def test_line_100_comes_after_line_20_across_urls():
-    rows = [("k", "s3://bucket/p/f.jsonl:100"), ("k", "s3://bucket/p/f.jsonl:20"), ("k", "s3://bucket/p/f.jsonl:3")]
-    dups = find_duplicates(table(rows))
-    assert set(dups) == {"s3://bucket/p/f.jsonl:100", "s3://bucket/p/f.jsonl:20"}
-    assert all(r.endswith("(first seen at s3://bucket/p/f.jsonl:3)") for r in dups.values())
-
-
-def test_result_does_not_depend_on_input_order():
-    rows = [("a", f"f:{i}") for i in (12, 3, 7, 100)] + [("b", "f:1"), ("b", "e:50")]
-    forward = find_duplicates(table(rows))
-    assert forward == find_duplicates(table(rows[::-1]))
-    assert set(forward) == {"f:7", "f:12", "f:100", "f:1"}
-
-
-def test_turns_of_one_row_are_not_duplicates_of_each_other():
-    rows = [("c#0", "f:1"), ("c#1", "f:1"), ("c#2", "f:1"), ("d", "f:2")]
-    assert find_duplicates(table(rows)) == {}
-
-
-def test_a_repeated_multi_turn_row_is_one_duplicate_source():
-    rows = [("c#0", "f:1"), ("c#1", "f:1"), ("c#0", "f:5"), ("c#1", "f:5")]
-    assert find_duplicates(table(rows)) == {"f:5": "duplicate sample_id 'c#0' (first seen at f:1)"}
-
-
-def index(rows):
-    cols = ("source", "turns", "cost_full", "cost_each", "unrendered")
-    return pa.table({c: [r[i] for r in rows] for i, c in enumerate(cols)})
-
-
-def test_conversation_summary_counts_rows_once_and_prices_both_policies():
-    rows = [
-        ("f:1", "full", 100, 180, ""),  # one sample
-        ("f:2", "each", 50, 120, "messages[2].reasoning_content"),  # two samples of one row
-        ("f:2", "each", 50, 120, ""),
-        ("f:3", "", 0, 0, ""),  # a pre-tokenized or text row
-        ("f:4", "full", 30, 30, "messages[1].reasoning_content,tools"),
-    ]
-    s = conversation_summary(index(rows), "auto")
-    assert (s["conversations"], s["full"], s["each"]) == (3, 2, 1)
-    assert (s["tokens_full"], s["tokens_each"], s["tokens_chosen"]) == (180, 330, 100 + 120 + 30)
-    assert s["unrendered"] == {"reasoning_content": 2, "tools": 1}
-    assert "extract.turns=auto" in s["plan"] and "tokens 250 (full would be 180, each 330)" in s["plan"]
 
 
 def test_turns_policy_and_template_kwargs_are_data_settings(repo_root):
@@ -192,20 +129,3 @@ def test_rays_timeout_for_starting_actors_names_the_setting_and_the_wait():
     other = ray.exceptions.GetTimeoutError("Get timed out: some object")
     with pytest.raises(ray.exceptions.GetTimeoutError):
         list(_batches_once_engines_start(Results(other), 1260, 2, 600.0))
-
-
-def test_the_rows_still_to_do_are_those_neither_committed_nor_a_duplicates(ray_session):
-    import ray.data
-
-    from pipeline.driver.job import _still_to_do
-
-    rows = [{"source": f"f:{i // 2}", "sample_id": f"s{i}"} for i in range(10)]  # two turns a source line
-    ds = ray.data.from_items(rows)
-
-    def ids(d):
-        return sorted(r["sample_id"] for r in d.take_all())
-
-    assert _still_to_do(ds, set(), set()) is ds  # a fresh output: no filter at all
-    assert ids(_still_to_do(ds, {"f:1"}, set())) == ["s0", "s1", "s4", "s5", "s6", "s7", "s8", "s9"]
-    assert ids(_still_to_do(ds, set(), {"s0", "s9"})) == ["s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8"]
-    assert ids(_still_to_do(ds, {"f:1", "f:4"}, {"s0"})) == ["s1", "s4", "s5", "s6", "s7"]
