@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import pyarrow as pa
@@ -107,7 +108,7 @@ class Regenerator:
                 convs[sid] = self.codec.parse(r["line"])
             except ValueError as e:
                 errors[sid] = ErrorRow(sid, r["source"], "error", "parse", str(e))
-        turns, failed = self._generate(convs)
+        turns, failed, spent = self._generate(convs)
         for sid, (stage, reason) in failed.items():
             errors[sid] = ErrorRow(sid, _source(rows, sid), "error", stage, reason)
 
@@ -118,7 +119,11 @@ class Regenerator:
         part = part_file([r[PROVENANCE]["sample_id"] for r in out_rows]) if out_rows else ""
         write_part(self.store, part, out_rows)
         now = time.time()
-        results = [_result(e.sample_id, e.status, e.stage, e.reason) for e in errors.values()]
+        # completion_tokens: every token the engine generated for the conversation, kept or not (throughput).
+        results = [
+            _result(e.sample_id, e.status, e.stage, e.reason, completion=spent.get(e.sample_id, 0))
+            for e in errors.values()
+        ]
         for row in out_rows:
             prov = row[PROVENANCE]
             results.append(
@@ -129,7 +134,7 @@ class Regenerator:
                     "",
                     len(prov["turns"]),
                     sum(t["prompt_tokens"] for t in prov["turns"]),
-                    sum(t["completion_tokens"] for t in prov["turns"]),
+                    spent.get(prov["sample_id"], 0),
                     bool(prov["flags"]),
                     part,
                 )
@@ -150,10 +155,11 @@ class Regenerator:
         }
         return row
 
-    def _generate(self, convs: dict) -> tuple[dict[str, list[dict]], dict[str, tuple[str, str]]]:
+    def _generate(self, convs: dict) -> tuple[dict[str, list[dict]], dict[str, tuple[str, str]], Counter]:
         """Every conversation's target turns, in order within a conversation, all conversations at once.
-        (per-sample turn records, {sample id: (stage, reason)} of those that failed)."""
+        (per-sample turn records, {sample id: (stage, reason)} of those that failed, tokens generated per sample)."""
         records: dict[str, list[dict]] = {sid: [] for sid in convs}
+        spent: Counter = Counter()
         failed: dict[str, tuple[str, str]] = {}
         pending: dict[Future, tuple[str, int, int, int, int]] = {}  # future -> (sid, msg index, attempt, seed, prompt)
 
@@ -178,6 +184,7 @@ class Regenerator:
             for fut in done:
                 sid, i, attempt, seed, prompt = pending.pop(fut)
                 res: GenerateResult = fut.result()
+                spent[sid] += len(res.output_ids)
                 if res.error is not None:
                     if attempt < self.retries:
                         logger.warning("%s message %d: %s; trying again", sid, i, res.error)
@@ -203,7 +210,7 @@ class Regenerator:
                 records[sid].append(record)
                 self.codec.accept(convs[sid], i, res.text, res.finish_reason, prompt, res.output_ids)
                 submit(sid)
-        return records, failed
+        return records, failed, spent
 
     def _problem(self, res: GenerateResult) -> tuple[str, bool, str] | None:
         """(reason, whether it makes an error row, its flag when kept) for a truncated or empty turn."""

@@ -22,6 +22,7 @@ from conf import HarvestConfig
 from pipeline.driver import support
 from pipeline.driver.job import RunSummary, find_duplicates, run
 from pipeline.driver.preflight import PreflightError, lock_output
+from pipeline.driver.quiet import spend_actor_restart_notice
 from pipeline.format.errors import DUPLICATES, ERROR_DIR, ErrorRow, reopen_transient_errors, write_errors
 from pipeline.format.manifest import check_settings, read_manifest, write_manifest
 from pipeline.format.regenerated import PARTS_DIR, committed_ids, committed_totals
@@ -135,6 +136,7 @@ def _regenerate_locked(cfg: HarvestConfig, plan: RegenPlan, store: Store, retry_
     import ray.data
 
     ray.data.DataContext.get_current().raise_original_map_exception = True
+    spend_actor_restart_notice()
     existing = read_manifest(store)
     check_settings(existing, plan.settings)
     store.clean_temporaries(PARTS_DIR)
