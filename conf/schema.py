@@ -278,7 +278,10 @@ class HarvestConfig(_Strict):
         if self.engine.device == "cpu" and self.engine.tp_size != 1:
             raise ValueError("engine.tp_size > 1 needs GPUs; set engine.device=cuda or tp_size=1")
         if self.output is None and self.generate is None:
-            raise ValueError("an output section is required (output.path: where the hidden states go)")
+            raise ValueError(
+                "output: required (output.path: where the hidden states go; a config only for harvest regenerate "
+                "has a generate section instead)"
+            )
         if self.output is not None and self.generate is not None and self.output.path == self.generate.output:
             raise ValueError("generate.output and output.path must differ (one holds JSONL, the other shards)")
         return self
@@ -311,6 +314,8 @@ def _format_error(err: ValidationError) -> str:
             lines.append(f"  {where}: unknown key (check the spelling against conf/default.yaml)")
         elif e["type"] == "missing":
             lines.append(f"  {where}: required")
+        elif not where:  # a check of the whole config; its message names the setting
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {where}: {e['msg']}")
     return "invalid config:\n" + "\n".join(lines)

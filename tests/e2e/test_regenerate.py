@@ -100,10 +100,10 @@ def _regenerate_cmd(src: Path, out: Path) -> list[str]:
         f"input.path={src}",
         f"generate.output={out}",
         "generate.policy=each",
-        "generate.max_new_tokens=32",
+        "generate.max_new_tokens=16",
         "generate.on_truncated=keep",
         "generate.batch_size=1",
-        "generate.batches_per_actor=1",
+        "generate.batches_per_actor=2",
         "progress.interval_s=2",
         "ray.num_cpus=2",
         "ray.object_store_memory_mb=300",
@@ -111,7 +111,7 @@ def _regenerate_cmd(src: Path, out: Path) -> list[str]:
 
 
 def test_each_policy_sigkill_then_rerun_is_exactly_once(tmp_path):
-    rows = _chats(8, turns=2)
+    rows = _chats(6, turns=2)
     src = _write(tmp_path / "in.jsonl", rows)
     out = tmp_path / "regen"
     env = dict(os.environ, RAY_ADDRESS="")  # its own local Ray, apart from the session's
