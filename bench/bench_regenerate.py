@@ -9,7 +9,7 @@ tokens generated from the moment every engine was up to the last result (the man
 tokens_per_second_after_engine_start). Both passes run back to back on one machine; the load average before
 each is recorded.
 
-    python bench/bench_regenerate.py [--prompts 96] [--max-new-tokens 64] [--windows 16,32,48,64,96]
+    python bench/bench_regenerate.py [--prompts 48] [--max-new-tokens 32] [--windows 16,32,48]
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def job_pass(src: Path, out: Path, window: int, max_new: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=96)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--windows", default="16,32,48,64,96")
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--windows", default="16,32,48")
     ap.add_argument("--job-window", type=int, default=None, help="the job's window (default: the plain server's best)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "regenerate_cpu.json"))
     args = ap.parse_args()
