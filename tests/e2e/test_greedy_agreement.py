@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "conf" / "data" / "sample_conversations.jsonl"
 PROMPTS = 32
-NEW_TOKENS = 20
+NEW_TOKENS = 12
 
 
 def _lines() -> list[str]:
