@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import requests
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -83,6 +84,8 @@ def plain_sweep(spec: ServerSpec, prompts, windows, max_new: int) -> dict:
         with SGLangServer(spec) as server:
             asyncio.run(_send_all(server.url, prompts[:4], 4, 8))  # warm-up
             for w in windows:
+                # Every window starts from an empty prefix cache, as the job's fresh server does.
+                requests.post(f"{server.url}/flush_cache", timeout=60)
                 load = os.getloadavg()[0]
                 seconds, tokens = asyncio.run(_send_all(server.url, prompts, w, max_new))
                 out[w] = {"tok_s": round(tokens / seconds, 1), "tokens": tokens, "seconds": round(seconds, 2),
@@ -93,7 +96,7 @@ def plain_sweep(spec: ServerSpec, prompts, windows, max_new: int) -> dict:
     return out
 
 
-def job_pass(src: Path, out: Path, window: int, max_new: int) -> dict:
+def job_pass(src: Path, out: Path, window: int, max_new: int, dtype: str) -> dict:
     import ray
 
     from conf import load_config
@@ -102,7 +105,8 @@ def job_pass(src: Path, out: Path, window: int, max_new: int) -> dict:
     cfg = load_config(
         REPO / "conf" / "regenerate.yaml",
         [f"input.path={src}", f"generate.output={out}", f"generate.max_new_tokens={max_new}",
-         f"generate.max_in_flight={window}", "generate.on_truncated=keep", "progress.interval_s=30"],
+         f"generate.max_in_flight={window}", "generate.on_truncated=keep", "progress.interval_s=30",
+         f"engine.cpu_dtype={'float32' if dtype == 'float32' else 'auto'}"],
     )  # fmt: skip
     ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
     try:
@@ -123,6 +127,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--windows", default="16,32,48")
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "float32"),
+        default="auto",
+        help="what both servers compute in (auto: the job's engine.cpu_dtype default, and the same for the plain one)",
+    )
     ap.add_argument("--job-window", type=int, default=None, help="the job's window (default: the plain server's best)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "regenerate_cpu.json"))
     args = ap.parse_args()
@@ -144,12 +154,12 @@ def main() -> None:
 
     # The same dtype the job's server computes in on this CPU (float32 where bf16 matmul is not native): a user
     # on this machine passes it too, as the job's README says.
-    user_flags = ("--mem-fraction-static", "0.2", *cpu_dtype_flags("auto", ()))
+    user_flags = ("--mem-fraction-static", "0.2", *cpu_dtype_flags(args.dtype, ()))
     spec = ServerSpec(model_dir=model_dir, aux_layers=(), dump_dir=tmp, capture=False, extra_flags=user_flags)
     windows = [int(w) for w in args.windows.split(",")]
     plain = plain_sweep(dataclasses.replace(spec), prompts, windows, args.max_new_tokens)
     best = max(plain, key=lambda w: plain[w]["tok_s"])
-    job = job_pass(src, tmp / "out", args.job_window or best, args.max_new_tokens)
+    job = job_pass(src, tmp / "out", args.job_window or best, args.max_new_tokens, args.dtype)
     print(f"job: {job}", flush=True)
     result = {
         "what": "decode throughput: harvest regenerate (policy last, greedy) against a plain sglang.launch_server "
