@@ -35,6 +35,35 @@ class RequestResult:
     rid: str = ""  # the request id the engine used (SGLang's rid; the hook names the dump by it)
 
 
+@dataclass
+class GenerateResult:
+    """One generation: the new tokens and text, or why there are none."""
+
+    key: str
+    output_ids: list[int]
+    text: str
+    finish_reason: str  # stop | length | abort ("" when the request failed)
+    error: str | None  # the request failed (engine or transport); an error row's reason
+    latency_s: float = 0.0
+
+
+class Generator(Protocol):
+    """What regeneration asks of an engine replica (actors/regenerator.py)."""
+
+    name: str
+    start_attempts: int
+
+    def start(self) -> Generator: ...
+
+    def close(self) -> None: ...
+
+    def ensure_alive(self) -> None: ...
+
+    def submit_generate(self, key: str, ids: list[int], sampling: dict) -> Future:
+        """Queue one generation (sampling: temperature, top_p, max_new_tokens, seed); the future gives its
+        GenerateResult. Thread-safe; no hidden states are captured for it."""
+
+
 class Engine(Protocol):
     name: str
     # How many times start() tries before it gives up, each within engine.startup_timeout_s: the driver
@@ -58,19 +87,31 @@ class Engine(Protocol):
 # engine.name -> "module:Class", imported on first use: the driver never imports an engine's heavy
 # dependencies (SGLang, torch) just to plan a run.
 _REGISTRY: dict[str, str] = {}
+# The same names for generation: SGLang generates through its own server; transformers through generate().
+_GENERATORS: dict[str, str] = {}
 
 
-def register(name: str, target: str) -> None:
+def register(name: str, target: str, generator: str | None = None) -> None:
     _REGISTRY[name] = target
+    if generator is not None:
+        _GENERATORS[name] = generator
 
 
-def engine_class(name: str) -> type:
+def _load(registry: dict[str, str], name: str) -> type:
     try:
-        module, _, cls = _REGISTRY[name].partition(":")
+        module, _, cls = registry[name].partition(":")
     except KeyError:
-        raise ValueError(f"engine.name {name!r} is not an engine; choose one of {sorted(_REGISTRY)}") from None
+        raise ValueError(f"engine.name {name!r} is not an engine; choose one of {sorted(registry)}") from None
     return getattr(importlib.import_module(module), cls)
 
 
-register("sglang", "actors.sglang.engine:SGLangEngine")
-register("hf", "actors.hf.engine:HFEngine")
+def engine_class(name: str) -> type:
+    return _load(_REGISTRY, name)
+
+
+def generator_class(name: str) -> type:
+    return _load(_GENERATORS, name)
+
+
+register("sglang", "actors.sglang.engine:SGLangEngine", generator="actors.sglang.engine:SGLangEngine")
+register("hf", "actors.hf.engine:HFEngine", generator="actors.hf.generator:HFGenerator")

@@ -192,6 +192,53 @@ class OutputConfig(_Strict):
     check_free_space: bool = True
 
 
+class GenerateConfig(_Strict):
+    """Regeneration (`harvest regenerate`, or `harvest run` with this section): the target writes the assistant
+    turns itself, through the same engines as extraction (pipeline/driver/regenerate.py)."""
+
+    # Where the regenerated JSONL, its error files and its manifest go: local directory or s3://bucket/prefix.
+    output: str
+    # last: the conversation's final assistant turn; each: every assistant turn in order, turn k generated
+    # from the conversation with the regenerated turns before it (on-policy multi-turn).
+    policy: Literal["last", "each"] = "last"
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(2048, ge=1)
+    # Each request's seed is derived from this, the sample id and the turn: a rerun samples the same turns,
+    # whichever actor or batch a conversation lands in.
+    seed: int = Field(0, ge=0)
+    # A turn cut off at max_new_tokens (finish reason `length`) or with no text: an error row with the reason,
+    # or kept in the output with the finish reason in its provenance (a flag to filter on).
+    on_truncated: Literal["error", "keep"] = "error"
+    on_empty: Literal["error", "keep"] = "error"
+    # Assistant turns that call tools are left as written (the tool results that follow answer those calls);
+    # true regenerates them too, as the text the model writes (its own tool-call syntax), without tool_calls.
+    regenerate_tool_turns: bool = False
+    # Requests one actor keeps in flight for generation. Decode batches every running request into one
+    # step, so throughput grows with the window well past extraction's: 48 was a plain server's best on the
+    # 2-core CPU (bench/results/regenerate_cpu.json).
+    max_in_flight: int = Field(48, ge=1)
+    # Conversations per actor batch (one part file each); batches_per_actor of them are held at once, so the
+    # window stays full across batch boundaries.
+    batch_size: int = Field(32, ge=1)
+    batches_per_actor: int = Field(4, ge=1)
+    # Extra attempts for a request the engine failed (not for a truncated or empty answer).
+    retries: int = Field(2, ge=0)
+    # Keep each generated turn's token ids in its provenance (exact tokens, for checks against another engine).
+    record_token_ids: bool = False
+
+    def sampling(self) -> dict:
+        """The settings that change what is generated (the output's data settings and every row's provenance)."""
+        return {
+            "policy": self.policy,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+            "regenerate_tool_turns": self.regenerate_tool_turns,
+        }
+
+
 class ProgressConfig(_Strict):
     interval_s: float = Field(10.0, gt=0)
 
@@ -229,7 +276,9 @@ class HarvestConfig(_Strict):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = SGLangEngineConfig()
     extract: ExtractConfig = ExtractConfig()
-    output: OutputConfig
+    # Required by `harvest run`; a config for `harvest regenerate` alone needs only `generate`.
+    output: OutputConfig | None = None
+    generate: GenerateConfig | None = None
     progress: ProgressConfig = ProgressConfig()
     plan: PlanConfig = PlanConfig()
     ray: RayConfig = RayConfig()
@@ -250,6 +299,13 @@ class HarvestConfig(_Strict):
     def _engine_fits(self):
         if self.engine.device == "cpu" and self.engine.tp_size != 1:
             raise ValueError("engine.tp_size > 1 needs GPUs; set engine.device=cuda or tp_size=1")
+        if self.output is None and self.generate is None:
+            raise ValueError(
+                "output: required (output.path: where the hidden states go; a config only for harvest regenerate "
+                "has a generate section instead)"
+            )
+        if self.output is not None and self.generate is not None and self.output.path == self.generate.output:
+            raise ValueError("generate.output and output.path must differ (one holds JSONL, the other shards)")
         return self
 
 
@@ -280,6 +336,8 @@ def _format_error(err: ValidationError) -> str:
             lines.append(f"  {where}: unknown key (check the spelling against conf/default.yaml)")
         elif e["type"] == "missing":
             lines.append(f"  {where}: required")
+        elif not where:  # a check of the whole config; its message names the setting
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {where}: {e['msg']}")
     return "invalid config:\n" + "\n".join(lines)

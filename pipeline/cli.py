@@ -1,4 +1,4 @@
-"""`harvest run | inspect | verify`: decides the cluster and the config, then hands over to the job."""
+"""`harvest run | regenerate | inspect | verify | audit | export`: decides the cluster and the config, then hands over to the job."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pipeline.driver.budget import InsufficientSpace
 from pipeline.driver.failures import failure_message
 from pipeline.driver.job import run
 from pipeline.driver.preflight import PreflightError
+from pipeline.driver.regenerate import regenerate, run_with_generation
 from pipeline.format.lock import OutputLocked
 from pipeline.format.manifest import SettingsMismatch
 from pipeline.format.storage import human_bytes, redact
@@ -59,8 +60,16 @@ def _init_ray(cfg) -> float | None:
 def cmd_run(args) -> int:
 
     cfg = load_config(args.config, args.set or [])
+    if cfg.output is None:
+        raise ConfigError("harvest run needs an output section (output.path: where the hidden states go)")
     ray_s = _init_ray(cfg)
-    summary = run(cfg, retry_errors=args.retry_errors, ray_start_s=ray_s)
+    regen = None
+    if cfg.generate is not None:
+        regen = run_with_generation(cfg, retry_errors=args.retry_errors, ray_start_s=ray_s)
+        print(_regen_lines(regen))
+        summary = regen.extraction
+    else:
+        summary = run(cfg, retry_errors=args.retry_errors, ray_start_s=ray_s)
     t = summary.totals
     p = summary.this_run
     samples = t.get("samples", t["input_rows"])
@@ -81,7 +90,38 @@ def cmd_run(args) -> int:
     if summary.reasons:
         lines.append("top error reasons: " + "; ".join(f"{n}x {r}" for r, n in summary.reasons))
     print("\n".join(lines))
-    return 0 if t["accounted"] == samples else 1
+    complete = regen is None or regen.totals["accounted"] == regen.totals["input_rows"]
+    return 0 if t["accounted"] == samples and complete else 1
+
+
+def _regen_lines(summary) -> str:
+    t, r = summary.totals, summary.this_run
+    lines = [
+        f"regenerated: {summary.output}",
+        f"this run: {r['rows_ok']:,} ok ({r['flagged']:,} flagged), {r['errors']:,} errors, "
+        f"{r['generated_tokens']:,} tokens generated"
+        + (
+            f", {r['tokens_per_second_after_engine_start']:,.1f} tok/s"
+            if "tokens_per_second_after_engine_start" in r
+            else ""
+        ),
+        f"output totals: {t['rows_ok']:,} ok + {t['errors']:,} errors + {t['filtered']:,} filtered = "
+        f"{t['accounted']:,} of {t['input_rows']:,} input rows; {t['generated_tokens']:,} tokens generated "
+        f"in {t['parts']} parts",
+    ]
+    if summary.reasons:
+        lines.append("top error reasons: " + "; ".join(f"{n}x {r}" for r, n in summary.reasons))
+    return "\n".join(lines)
+
+
+def cmd_regenerate(args) -> int:
+    cfg = load_config(args.config, args.set or [])
+    if cfg.generate is None:
+        raise ConfigError("harvest regenerate needs a generate section (generate.output at least)")
+    _init_ray(cfg)
+    summary = regenerate(cfg, retry_errors=args.retry_errors)
+    print(_regen_lines(summary))
+    return 0 if summary.totals["accounted"] == summary.totals["input_rows"] else 1
 
 
 def cmd_inspect(args) -> int:
@@ -145,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run again the samples whose error was transient (engine/extract stage); parse and tokenize errors stay",
     )
     p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("regenerate", help="the target writes the assistant turns itself (the generate section)")
+    p.add_argument("config", help="a YAML file in conf/ with a generate section")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--retry-errors", action="store_true", help="run again the conversations whose engine failed")
+    p.set_defaults(fn=cmd_regenerate)
     p = sub.add_parser("inspect", help="summarize an output (local dir or s3://)")
     p.add_argument("output")
     p.set_defaults(fn=cmd_inspect)

@@ -11,6 +11,7 @@ the actor).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -25,7 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from actors.dump import DumpError, dump_path, read_dump
-from actors.engine import EngineDied, RequestResult
+from actors.engine import EngineDied, GenerateResult, RequestResult
 from actors.sglang.server import RID_PREFIX, ServerSpec, SGLangServer, build_command, cpu_dtype_flags
 from pipeline.format.lock import pid_alive
 
@@ -84,9 +85,13 @@ class SGLangEngine:
         cpu_threads: int,
         final_layer: str = "post_norm",
         capture_layout: str = "planes",
+        capture: bool = True,
+        generate_in_flight: int | None = None,
     ) -> dict:
         """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig).
-        `capture_layout`: the dump body the output encodes from (actors/dump.py): bf16 planes, or fp8."""
+        `capture_layout`: the dump body the output encodes from (actors/dump.py): bf16 planes, or fp8.
+        `capture=False`: a server without the hook or aux capture, for generation only (regeneration), with
+        `generate_in_flight` generations in flight."""
         return {
             "spec_without_dump": {
                 "model_dir": model_dir,
@@ -101,11 +106,19 @@ class SGLangEngine:
                 "extra_flags": tuple(cfg.server_flags)
                 + (() if cuda else cpu_dtype_flags(cfg.cpu_dtype, tuple(cfg.server_flags))),
                 "startup_timeout_s": cfg.startup_timeout_s,
+                "capture": capture,
             },
             "max_in_flight": cfg.max_in_flight,
+            "generate_in_flight": generate_in_flight or cfg.max_in_flight,
             "request_timeout_s": cfg.request_timeout_s,
             "dump_timeout_s": cfg.dump_timeout_s,
         }
+
+    @classmethod
+    def generation_kwargs(cls, cfg, model_dir: str, cuda: bool, cpu_threads: int, in_flight: int) -> dict:
+        """Constructor arguments for regeneration: the same server and flags, without the hook or aux capture
+        (nothing is captured; a decode step then costs what it costs a plain server)."""
+        return cls.kwargs_for(cfg, model_dir, (), cuda, cpu_threads, capture=False, generate_in_flight=in_flight)
 
     @classmethod
     def provenance(cls, kwargs: dict, cuda: bool) -> dict:
@@ -117,12 +130,20 @@ class SGLangEngine:
         return {"name": cls.name, "version": version("sglang"), "device": "cuda" if cuda else "cpu", "flags": flags}
 
     def __init__(
-        self, spec_without_dump: dict, max_in_flight: int, request_timeout_s: float, dump_timeout_s: float = 30.0
+        self,
+        spec_without_dump: dict,
+        max_in_flight: int,
+        request_timeout_s: float,
+        dump_timeout_s: float = 30.0,
+        generate_in_flight: int | None = None,
     ):
         remove_orphaned_dump_dirs(default_dump_root())
         self._dump_dir = make_dump_dir(default_dump_root())
         self.spec = ServerSpec(dump_dir=self._dump_dir, **spec_without_dump)
         self.max_in_flight = max_in_flight
+        # Generation has a window of its own: a decode step batches every running request, so it wants
+        # many more in flight than a prefill-only capture does.
+        self.generate_in_flight = generate_in_flight or max_in_flight
         self.request_timeout_s = request_timeout_s
         # The hook publishes a dump from its writer thread, so it may land just after the HTTP answer.
         self.dump_timeout_s = dump_timeout_s
@@ -184,6 +205,7 @@ class SGLangEngine:
 
     async def _open_session(self) -> None:
         self._sem = asyncio.Semaphore(self.max_in_flight)
+        self._gen_sem = asyncio.Semaphore(self.generate_in_flight)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
 
     def restart(self) -> None:
@@ -232,6 +254,44 @@ class SGLangEngine:
         if self._loop is None:
             raise EngineDied("engine is not started")
         return asyncio.run_coroutine_threadsafe(self._capture_one(key, ids, self._next_rid(len(ids))), self._loop)
+
+    def submit_generate(self, key: str, ids: list[int], sampling: dict) -> Future:
+        """Queue one generation (actors.engine.Generator); the Future gives its GenerateResult. Thread-safe.
+        Its request id lacks the capture prefix, so a capturing server's hook publishes nothing for it."""
+        if self._loop is None:
+            raise EngineDied("engine is not started")
+        with self._lock:
+            self._counter += 1
+            rid = f"gen-{self._tag}-{self._counter}"
+        return asyncio.run_coroutine_threadsafe(self._generate_one(key, ids, rid, sampling), self._loop)
+
+    async def _generate_one(self, key: str, ids: list[int], rid: str, sampling: dict) -> GenerateResult:
+        params = {
+            "max_new_tokens": sampling["max_new_tokens"],
+            "temperature": sampling["temperature"],
+            "top_p": sampling["top_p"],
+        }
+        if sampling.get("seed") is not None:
+            # SGLang samples by it only with --enable-deterministic-inference (engine.server_flags).
+            params["sampling_seed"] = int(sampling["seed"])
+        payload = {"input_ids": ids, "rid": rid, "sampling_params": params}
+        async with self._gen_sem:
+            t0 = time.monotonic()
+            try:
+                async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
+                    body = await resp.read()
+                    if resp.status != 200:
+                        error = f"server answered {resp.status}: {body[:200]!r}"
+                        return GenerateResult(key, [], "", "", error, 0.0)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return GenerateResult(key, [], "", "", f"request failed: {type(e).__name__}: {e}", 0.0)
+            latency = time.monotonic() - t0
+        try:
+            out = json.loads(body)
+            finish = (out["meta_info"].get("finish_reason") or {}).get("type", "")
+            return GenerateResult(key, list(out.get("output_ids") or []), out["text"], finish, None, latency)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return GenerateResult(key, [], "", "", f"unreadable answer: {type(e).__name__}: {e}", latency)
 
     def capture(self, requests: list[tuple[str, list[int]]]) -> dict[str, RequestResult]:
         """Every request at once under the window; results keyed by the caller's key."""

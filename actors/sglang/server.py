@@ -143,12 +143,14 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         str(port),
         "--tp-size",
         str(spec.tp_size),
-        "--disable-radix-cache",
         "--chunked-prefill-size",
         str(spec.chunked_prefill_size),
     ]
     if spec.capture:
         cmd += [
+            # A capture must compute every position; a generation-only server (regeneration) keeps SGLang's
+            # prefix cache, which turn k+1 of a conversation and a shared system prompt reuse.
+            "--disable-radix-cache",
             "--enable-return-aux-hidden-states",
             "--speculative-algorithm",
             "EAGLE3",

@@ -260,3 +260,11 @@ def test_the_cpu_dtype_reaches_the_servers_command_and_never_a_gpu_server(monkey
     assert value_after(cmd, "--dtype") == ["float32"] and value_after(cmd, "--log-level") == ["warning"]
     gpu = engine_mod.SGLangEngine.kwargs_for(cfg, "/models/m", (1,), cuda=True, cpu_threads=2)
     assert "--dtype" not in build_command(ServerSpec(dump_dir=Path("/d"), **gpu["spec_without_dump"]), port=1)
+
+
+def test_a_generation_only_server_has_no_capture_and_keeps_the_prefix_cache():
+    cmd = build_command(spec(capture=False), 1)
+    assert "--enable-return-aux-hidden-states" not in cmd and "--speculative-algorithm" not in cmd
+    assert "--disable-radix-cache" not in cmd  # nothing is captured, so a cached prefix truncates nothing
+    env = build_env(spec(capture=False))
+    assert "HIDDEN_HARVEST_DUMP_DIR" not in env  # the hook stays off in every server process

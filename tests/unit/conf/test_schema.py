@@ -182,3 +182,17 @@ def test_a_knob_of_another_engine_is_refused_with_its_owner(default_yaml):
         load_config(default_yaml, ["engine.name=vllm"])
     with pytest.raises(ConfigError, match="tp_size must be 1"):
         load_config(default_yaml, ["engine.name=hf", "engine.device=cuda", "engine.tp_size=2"])
+
+
+def test_generate_section_is_typed_and_stands_in_for_output():
+    cfg = load_config(None, ["input.path=in.jsonl", "generate.output=regen", "generate.policy=each"])
+    assert cfg.output is None and cfg.generate.policy == "each" and cfg.generate.max_in_flight == 48
+    assert cfg.generate.sampling()["temperature"] == 0.0
+    with pytest.raises(ConfigError, match=r"generate\.policy"):
+        load_config(None, ["input.path=x", "generate.output=r", "generate.policy=first"])
+    with pytest.raises(ConfigError, match=r"generate\.top_p"):
+        load_config(None, ["input.path=x", "generate.output=r", "generate.top_p=0"])
+    with pytest.raises(ConfigError, match=r"generate\.output: required"):
+        load_config(None, ["input.path=x", "generate.policy=last"])
+    with pytest.raises(ConfigError, match="must differ"):
+        load_config(None, ["input.path=x", "generate.output=same", "output.path=same"])

@@ -89,3 +89,12 @@ def test_a_bare_assert_in_a_remote_traceback_is_named_by_its_source_line():
     assert describe(RuntimeError(text)) == (
         "AssertionError at sglang/srt/layers/rotary_embedding/factory.py:478: assert rope_scaling is not None"
     )
+
+
+def test_regenerate_needs_a_generate_section_and_run_an_output(tmp_path, capsys):
+    assert main(["regenerate", "conf/default.yaml"]) == 2
+    assert "needs a generate section" in capsys.readouterr().err
+    conf = tmp_path / "regen.yaml"
+    conf.write_text("input: {path: in.jsonl}\ngenerate: {output: regen}\n")
+    assert main(["run", str(conf)]) == 2
+    assert "needs an output section" in capsys.readouterr().err
