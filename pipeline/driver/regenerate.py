@@ -20,7 +20,7 @@ from actors.engine import generator_class
 from actors.regenerator import Regenerator
 from conf import HarvestConfig
 from pipeline.driver import support
-from pipeline.driver.job import RunSummary, find_duplicates, run
+from pipeline.driver.job import RunSummary, run
 from pipeline.driver.preflight import PreflightError, lock_output
 from pipeline.driver.quiet import spend_actor_restart_notice
 from pipeline.format.errors import DUPLICATES, ERROR_DIR, ErrorRow, reopen_transient_errors, write_errors
@@ -187,6 +187,27 @@ def _regenerate_locked(cfg: HarvestConfig, plan: RegenPlan, store: Store, retry_
     totals["accounted"] = totals["rows_ok"] + totals["errors"] + totals["filtered"]
     write_manifest(store, dict(manifest, status="complete", totals=totals, last_run=this_run))
     return RegenSummary(totals, this_run, reasons.most_common(5), store.display())
+
+
+def find_duplicates(ids: pa.Table) -> dict[str, str]:
+    """(source -> reason) for every input row after the first whose sample ids repeat another row's, ordered by
+    (file, line) as the extraction job orders them. Regeneration reads one id per line and keeps the index in the
+    driver (tens of thousands of rows; the extraction job's ledger, pipeline/driver/ledger.py, is for millions)."""
+    first: dict[str, str] = {}
+    dups: dict[str, str] = {}
+    for sid, source in sorted(
+        zip(ids["sample_id"].to_pylist(), ids["source"].to_pylist()), key=lambda r: _source_key(r[1])
+    ):
+        if sid in first and first[sid] != source:
+            dups.setdefault(source, f"duplicate sample_id {sid!r} (first seen at {first[sid]})")
+        else:
+            first[sid] = source
+    return dups
+
+
+def _source_key(source: str):
+    path, _, line = source.rpartition(":")
+    return (path, int(line) if line.isdigit() else 0)
 
 
 def _index(lines) -> pa.Table:
