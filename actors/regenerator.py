@@ -72,7 +72,7 @@ class Regenerator:
         retries: int = 2,
         record_token_ids: bool = False,
     ):
-        self.codec = codec
+        self.codec = codec.load()  # before any batch thread needs it
         self.sampling = dict(sampling)
         self.store = Store(output_url)
         self.provenance = dict(provenance)

@@ -171,7 +171,9 @@ def main() -> None:
         "prompts": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "max_new_tokens": args.max_new_tokens,
-        "plain_server_flags": list(plain_generation_command(spec, 0)[3:]),
+        "plain_server_flags": [
+            "MODEL_DIR" if f == str(model_dir) else f for f in plain_generation_command(spec, 0)[3:]
+        ],
         "plain_by_window": plain,
         "plain_best_window": best,
         "plain_best_tok_s": plain[best]["tok_s"],

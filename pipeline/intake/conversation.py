@@ -144,6 +144,12 @@ class RegenerationCodec:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tok": None, "_renderer": None, "_reads": None}
 
+    def load(self) -> RegenerationCodec:
+        """Load the tokenizer now: the stage calls this once in its constructor, before its batches run on
+        threads (a first import of transformers from two threads at once fails with an ImportError)."""
+        _ = self.renderer, self.reads_reasoning
+        return self
+
     @property
     def renderer(self) -> TemplateRenderer:
         if self._renderer is None:
