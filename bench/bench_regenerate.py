@@ -155,7 +155,9 @@ def main() -> None:
     # The same dtype the job's server computes in on this CPU (float32 where bf16 matmul is not native): a user
     # on this machine passes it too, as the job's README says.
     user_flags = ("--mem-fraction-static", "0.2", *cpu_dtype_flags(args.dtype, ()))
-    spec = ServerSpec(model_dir=model_dir, aux_layers=(), dump_dir=tmp, capture=False, extra_flags=user_flags)
+    spec = ServerSpec(
+        model_dir=model_dir, aux_layers=(), dump_dir=tmp, capture=False, prefix_cache=True, extra_flags=user_flags
+    )
     windows = [int(w) for w in args.windows.split(",")]
     plain = plain_sweep(dataclasses.replace(spec), prompts, windows, args.max_new_tokens)
     best = max(plain, key=lambda w: plain[w]["tok_s"])

@@ -107,6 +107,7 @@ class SGLangEngine:
                 + (() if cuda else cpu_dtype_flags(cfg.cpu_dtype, tuple(cfg.server_flags))),
                 "startup_timeout_s": cfg.startup_timeout_s,
                 "capture": capture,
+                "prefix_cache": not capture,  # generation only: turn k+1 reuses turn k's prefix
             },
             "max_in_flight": cfg.max_in_flight,
             "generate_in_flight": generate_in_flight or cfg.max_in_flight,

@@ -73,6 +73,10 @@ class ServerSpec:
     cpu_threads: int | None = None
     # False: a plain server without aux capture or hook (the benchmark's baseline), never used by the job.
     capture: bool = True
+    # SGLang's prefix (radix) cache. Off wherever every position must be computed: a capture, and the
+    # benchmarks' plain baselines, which run the same prompts more than once. On for generation only
+    # (regeneration), where turn k+1 of a conversation and a shared system prompt reuse it.
+    prefix_cache: bool = False
     extra_flags: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
     # The final layer dumped: the final norm's output (post_norm), or its input (pre_norm; the job's default).
@@ -82,6 +86,8 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.capture and self.prefix_cache:
+            raise ValueError("a capturing server computes every position: prefix_cache must stay off")
         if self.final_layer not in ("post_norm", "pre_norm"):
             raise ValueError(f"final_layer {self.final_layer!r}: post_norm or pre_norm")
         if self.capture_layout not in ("planes", "fp8"):
@@ -146,11 +152,10 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         "--chunked-prefill-size",
         str(spec.chunked_prefill_size),
     ]
+    if not spec.prefix_cache:
+        cmd.append("--disable-radix-cache")
     if spec.capture:
         cmd += [
-            # A capture must compute every position; a generation-only server (regeneration) keeps SGLang's
-            # prefix cache, which turn k+1 of a conversation and a shared system prompt reuse.
-            "--disable-radix-cache",
             "--enable-return-aux-hidden-states",
             "--speculative-algorithm",
             "EAGLE3",

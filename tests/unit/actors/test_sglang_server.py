@@ -263,8 +263,21 @@ def test_the_cpu_dtype_reaches_the_servers_command_and_never_a_gpu_server(monkey
 
 
 def test_a_generation_only_server_has_no_capture_and_keeps_the_prefix_cache():
-    cmd = build_command(spec(capture=False), 1)
+    cmd = build_command(spec(capture=False, prefix_cache=True), 1)
     assert "--enable-return-aux-hidden-states" not in cmd and "--speculative-algorithm" not in cmd
     assert "--disable-radix-cache" not in cmd  # nothing is captured, so a cached prefix truncates nothing
+    # A plain baseline (capture off) still computes every position unless asked: benchmarks repeat prompts.
+    assert "--disable-radix-cache" in build_command(spec(capture=False), 1)
+    with pytest.raises(ValueError, match="prefix_cache"):
+        spec(prefix_cache=True)  # a capture with a cached prefix would dump only its uncached tail
+    from actors.sglang.engine import SGLangEngine
+    from conf.schema import SGLangEngineConfig
+
+    kwargs = SGLangEngine.generation_kwargs(SGLangEngineConfig(), "/m", False, 2, 48)
+    assert kwargs["spec_without_dump"]["prefix_cache"] is True
+    assert (
+        SGLangEngine.kwargs_for(SGLangEngineConfig(), "/m", (1,), False, 2)["spec_without_dump"]["prefix_cache"]
+        is False
+    )
     env = build_env(spec(capture=False))
     assert "HIDDEN_HARVEST_DUMP_DIR" not in env  # the hook stays off in every server process
