@@ -117,17 +117,7 @@ def child(input_path: str, out_dir: str) -> None:
         if hasattr(job, "decide_work"):  # this version: the ledger
             from pipeline.driver.work import decide_work, still_to_do
 
-            p = cfg.plan
-            work = decide_work(
-                tokenized,
-                store,
-                cfg.extract.turns,
-                p.ledger_dir,
-                p.ledger_memory_mb,
-                p.ledger_threads,
-                p.read_threads,
-                p.batch_rows,
-            )
+            work = decide_work(tokenized, store, cfg.extract.turns, cfg.plan)
             todo = still_to_do(tokenized, work.skip)
             samples, dup_samples, rows = work.samples, work.duplicate_samples, work.rows
         else:  # the driver before the ledger: index in driver memory, sets in the filter

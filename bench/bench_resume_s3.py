@@ -129,11 +129,12 @@ def tokenized_input(shards: int, per_shard: int, new: int):
 
 
 def resume_once(tokenized, url: str, batch_size: int, threads: int) -> dict:
+    from conf.schema import PlanConfig
     from pipeline.driver.work import decide_work, still_to_do
     from pipeline.format.storage import Store
 
     t0 = time.monotonic()
-    work = decide_work(tokenized, Store(url), "auto", read_threads=threads)
+    work = decide_work(tokenized, Store(url), "auto", PlanConfig(read_threads=threads))
     t_plan = time.monotonic()
     todo = still_to_do(tokenized, work.skip).repartition(target_num_rows_per_block=batch_size, strict=True)
     first = next(iter(todo.iter_batches(batch_format="pyarrow", batch_size=None)))

@@ -164,17 +164,7 @@ def _open_output(store: Store, plan: Plan, retry_errors: bool) -> dict | None:
 def _decide_work(cfg: HarvestConfig, plan: Plan, store: Store, tokenized) -> Work:
     """Drop duplicated rows (recorded in the duplicates file) and samples already committed; log the plan."""
     t0 = time.monotonic()
-    p = cfg.plan
-    work = decide_work(
-        tokenized,
-        store,
-        cfg.extract.turns,
-        p.ledger_dir,
-        p.ledger_memory_mb,
-        p.ledger_threads,
-        p.read_threads,
-        p.batch_rows,
-    )
+    work = decide_work(tokenized, store, cfg.extract.turns, cfg.plan)
     logger.info("planned in %.1f s; %s", time.monotonic() - t0, work.index.line())
     logger.info(
         "%d input rows -> %d samples: %d already committed, %d duplicates, %d to process (%d tokens, ~%s in %s), "

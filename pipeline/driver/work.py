@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from conf.schema import PlanConfig
 from pipeline.driver.ledger import SAMPLE_COLUMNS, Ledger
 from pipeline.format.errors import DUPLICATES, ErrorRow, write_errors
 from pipeline.format.ids_index import IndexReport, committed_ids
@@ -40,20 +41,13 @@ class Work:
     index: IndexReport  # how the committed ids were learned
 
 
-def decide_work(
-    tokenized,
-    store: Store,
-    policy: str,
-    ledger_dir: str | None = None,
-    memory_limit_mb: int = 512,
-    threads: int = 2,
-    read_threads: int = 16,
-    batch_rows: int = 65536,
-) -> Work:
+def decide_work(tokenized, store: Store, policy: str, limits: PlanConfig | None = None) -> Work:
     """Stream the input's small columns and the committed ids into a ledger, decide, and write the duplicates
-    file; the driver holds about one batch of `batch_rows` rows at a time."""
+    file; the driver holds about one batch of `limits.batch_rows` rows at a time."""
+    limits = limits or PlanConfig()
+    batch_rows, read_threads = limits.batch_rows, limits.read_threads
     report = IndexReport()
-    with Ledger(ledger_dir, memory_limit_mb, threads) as ledger:
+    with Ledger(limits.ledger_dir, limits.ledger_memory_mb, limits.ledger_threads) as ledger:
         for batch in tokenized.select_columns(list(SAMPLE_COLUMNS)).iter_batches(
             batch_size=batch_rows, batch_format="pyarrow"
         ):

@@ -25,6 +25,7 @@ from pipeline.intake.normalize import (
     parse_line,
     row_id_fallback,
 )
+from pipeline.intake.read import read_rows
 from pipeline.intake.render import TemplateRenderer, reasoning_keys
 
 POLICIES = ("last", "each")
@@ -201,13 +202,8 @@ def identify_lines(batch: pa.Table, id_field: str = "id") -> pa.Table:
 
     Only the id is decided here (no tokenizer), so the driver can dedup and resume before any engine starts;
     the conversation itself is parsed again by the stage that regenerates it."""
-    n = batch.num_rows
-    read_errors = batch["read_error"].to_pylist() if "read_error" in batch.column_names else [""] * n
-    read_ids = batch["read_id"].to_pylist() if "read_id" in batch.column_names else [""] * n
     rows = []
-    for source, line, read_error, read_id in zip(
-        batch["source"].to_pylist(), batch["line"].to_pylist(), read_errors, read_ids
-    ):
+    for source, line, read_error, read_id in read_rows(batch):
         if read_error:
             rows.append(_line_row(read_id or bytes_id(source.encode()), source, "", "error", "read", read_error))
             continue

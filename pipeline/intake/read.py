@@ -93,6 +93,15 @@ def read_lines(item: dict, limit: int = MAX_LINE_BYTES) -> list[dict]:
     return rows
 
 
+def read_rows(batch):
+    """(source, line, read_error, read_id) of each row of a pyarrow batch of read lines; the error columns may be
+    absent (a batch made without them), and then every row reads as read cleanly."""
+    n = batch.num_rows
+    errors = batch["read_error"].to_pylist() if "read_error" in batch.column_names else [""] * n
+    ids = batch["read_id"].to_pylist() if "read_id" in batch.column_names else [""] * n
+    return zip(batch["source"].to_pylist(), batch["line"].to_pylist(), errors, ids)
+
+
 def read_jsonl(pattern: str, max_line_bytes: int = MAX_LINE_BYTES):
     import ray.data
 

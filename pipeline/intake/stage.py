@@ -13,6 +13,7 @@ import logging
 import pyarrow as pa
 
 from pipeline.intake.normalize import bytes_id
+from pipeline.intake.read import read_rows
 from pipeline.intake.tokenize import TOKENIZED_SCHEMA, Tokenize
 
 logger = logging.getLogger(__name__)
@@ -52,13 +53,8 @@ class TokenizeLines:
         missing = [c for c in REQUIRED_COLUMNS if c not in batch.column_names]
         if missing:
             raise KeyError(f"TokenizeLines needs columns {missing}, got {batch.column_names}")
-        n = batch.num_rows
-        read_errors = batch["read_error"].to_pylist() if "read_error" in batch.column_names else [""] * n
-        read_ids = batch["read_id"].to_pylist() if "read_id" in batch.column_names else [""] * n
         rows = []
-        for source, line, read_error, read_id in zip(
-            batch["source"].to_pylist(), batch["line"].to_pylist(), read_errors, read_ids
-        ):
+        for source, line, read_error, read_id in read_rows(batch):
             if read_error:
                 rows.append(error_row(read_id or line_id(source), source, "read", read_error))
             else:

@@ -8,6 +8,7 @@ import random
 import pyarrow as pa
 import pytest
 
+from conf.schema import PlanConfig
 from pipeline.driver.ledger import Ledger, skip_key_sql
 from pipeline.driver.work import SkipList, _member, decide_work, skip_keys_of, still_to_do
 from pipeline.format.errors import DUPLICATES, read_errors
@@ -176,7 +177,7 @@ def test_a_random_input_is_planned_as_the_in_memory_rules_plan_it(ray_session, t
     keep, dups = reference(rows, committed)
 
     ds = ray.data.from_arrow(samples(rows)).repartition(7).materialize()
-    work = decide_work(ds, store, "auto", memory_limit_mb=64, read_threads=4, batch_rows=1024)
+    work = decide_work(ds, store, "auto", PlanConfig(ledger_memory_mb=64, read_threads=4, batch_rows=1024))
     assert work.index.from_index == 8 and len(work.index.read) == 1  # 6 shards, 3 error files; batch 4 has no entry
     assert work.samples == len(rows) and work.input_rows == len({s for _, s in rows})
     assert work.duplicate_samples == sum(s in dups for _, s in rows)
