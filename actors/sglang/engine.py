@@ -276,17 +276,9 @@ class SGLangEngine:
             # SGLang samples by it only with --enable-deterministic-inference (engine.server_flags).
             params["sampling_seed"] = int(sampling["seed"])
         payload = {"input_ids": ids, "rid": rid, "sampling_params": params}
-        async with self._gen_sem:
-            t0 = time.monotonic()
-            try:
-                async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
-                    body = await resp.read()
-                    if resp.status != 200:
-                        error = f"server answered {resp.status}: {body[:200]!r}"
-                        return GenerateResult(key, [], "", "", error, 0.0)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return GenerateResult(key, [], "", "", f"request failed: {type(e).__name__}: {e}", 0.0)
-            latency = time.monotonic() - t0
+        body, error, latency = await self._post(payload, self._gen_sem)
+        if error is not None:
+            return GenerateResult(key, [], "", "", error, 0.0)
         try:
             out = json.loads(body)
             finish = (out["meta_info"].get("finish_reason") or {}).get("type", "")
@@ -308,16 +300,22 @@ class SGLangEngine:
             # One new token: the prefill pass carries every prompt position; no decode pass follows.
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         }
-        async with self._sem:
+        _, error, latency = await self._post(payload, self._sem)
+        return error, latency
+
+    async def _post(self, payload: dict, window: asyncio.Semaphore) -> tuple[bytes | None, str | None, float]:
+        """One /generate under `window` (a capture's or a generation's): (the answer's body, None, seconds from
+        its turn in the window to the answer), or (None, why not, 0)."""
+        async with window:
             t0 = time.monotonic()
             try:
                 async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
                     body = await resp.read()
                     if resp.status != 200:
-                        return f"server answered {resp.status}: {body[:200]!r}", 0.0
+                        return None, f"server answered {resp.status}: {body[:200]!r}", 0.0
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return f"request failed: {type(e).__name__}: {e}", 0.0
-            return None, time.monotonic() - t0
+                return None, f"request failed: {type(e).__name__}: {e}", 0.0
+            return body, None, time.monotonic() - t0
 
     async def _capture_one(self, key: str, ids: list[int], rid: str) -> RequestResult:
         error, latency = await self._generate(ids, rid)
