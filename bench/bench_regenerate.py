@@ -30,12 +30,12 @@ import requests
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
 import actors.sglang.server as server_mod  # noqa: E402
 from actors.sglang.server import ServerSpec, SGLangServer, cpu_dtype_flags  # noqa: E402
 from bench.plain_sglang import plain_env  # noqa: E402
-
-SAMPLE = REPO / "conf" / "data" / "sample_conversations.jsonl"
+from tests_support import sample_chats  # noqa: E402
 
 
 def plain_generation_command(spec: ServerSpec, port: int) -> list[str]:
@@ -47,14 +47,7 @@ def plain_generation_command(spec: ServerSpec, port: int) -> list[str]:
 def conversations(n: int) -> list[dict]:
     """n conversations from the shipped sample (cycled with fresh ids past its size), chats with one assistant turn
     or more and no tool calls."""
-    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
-    chats = [
-        r
-        for r in rows
-        if "messages" in r
-        and not str(r.get("id", "")).startswith("bad-")
-        and not any(m.get("tool_calls") for m in r["messages"])
-    ]
+    chats = sample_chats()
     return [dict(chats[i % len(chats)], id=f"bench-{i}") for i in range(n)]
 
 

@@ -8,6 +8,22 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_CONVERSATIONS = REPO_ROOT / "conf" / "data" / "sample_conversations.jsonl"
+
+
+def sample_chats() -> list[dict]:
+    """The shipped sample's conversations that a target can regenerate as they are: `messages` chats, none of
+    the deliberately bad rows, no tool calls."""
+    import json
+
+    rows = [json.loads(line) for line in SAMPLE_CONVERSATIONS.read_text().splitlines() if line.strip()]
+    return [
+        r
+        for r in rows
+        if "messages" in r
+        and not str(r.get("id", "")).startswith("bad-")
+        and not any(m.get("tool_calls") for m in r["messages"])
+    ]
 
 
 def random_bf16(rng, rows: int, cols: int):

@@ -17,23 +17,16 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from tests_support import sample_chats
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "conf" / "data" / "sample_conversations.jsonl"
 PROMPTS = 32
 NEW_TOKENS = 12
 
 
 def _lines() -> list[str]:
-    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
-    chats = [
-        r
-        for r in rows
-        if "messages" in r
-        and not str(r.get("id", "")).startswith("bad-")
-        and not any(m.get("tool_calls") for m in r["messages"])
-    ]
-    chats = sorted(chats, key=lambda r: len(json.dumps(r)))[: PROMPTS * 2 : 2]  # short to medium, varied
+    chats = sorted(sample_chats(), key=lambda r: len(json.dumps(r)))[: PROMPTS * 2 : 2]  # short to medium, varied
     return [json.dumps(dict(r, id=f"g{i}")) for i, r in enumerate(chats)]
 
 

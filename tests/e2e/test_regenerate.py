@@ -18,24 +18,15 @@ from pipeline.format.manifest import read_manifest
 from pipeline.format.regenerated import PROVENANCE, list_parts, read_part
 from pipeline.format.shards import open_shards
 from pipeline.format.storage import Store
-from tests_support import sets
+from tests_support import sample_chats, sets
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "conf" / "data" / "sample_conversations.jsonl"
 
 
 def _chats(n: int, turns: int = 1) -> list[dict]:
     """n short conversations with `turns` assistant turns, shortest first (decode on 2 cores is slow)."""
-    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
-    chats = [
-        r
-        for r in rows
-        if "messages" in r
-        and not str(r.get("id", "")).startswith("bad-")
-        and sum(m["role"] == "assistant" for m in r["messages"]) == turns
-        and not any(m.get("tool_calls") for m in r["messages"])
-    ]
+    chats = [r for r in sample_chats() if sum(m["role"] == "assistant" for m in r["messages"]) == turns]
     return sorted(chats, key=lambda r: len(json.dumps(r)))[:n]
 
 
