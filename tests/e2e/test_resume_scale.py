@@ -5,8 +5,6 @@ benchmarks' figures: bench/bench_resume_s3.py, bench/bench_plan_scale.py) and `m
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -72,44 +70,12 @@ def test_planning_a_million_rows_keeps_the_driver_under_two_gigabytes(tmp_path):
 @pytest.mark.long
 def test_a_hundred_thousand_rows_killed_midway_and_rerun_are_each_stored_once(tmp_path):
     """The whole job on 100k short pre-tokenized rows (1 % duplicate ids) through the real engine: the driver is
-    killed once a tenth of the shards are committed, the rerun completes, every row exactly once."""
-    import numpy as np
+    killed once a tenth of the shards are committed, the rerun completes, every row exactly once
+    (bench/bench_kill_rerun.py, whose figures are bench/results/kill_rerun_cpu.json)."""
+    from bench.bench_kill_rerun import kill_and_rerun
 
-    from pipeline.format.manifest import read_manifest
-    from pipeline.format.storage import Store
-    from pipeline.tools.verify import verify
-    from tests_support import harvest_command
-
-    n = 100_000
-    rng = np.random.default_rng(3)
-    path = tmp_path / "rows.jsonl"
-    with path.open("w") as f:
-        for i in range(n):
-            rid = f"r{int(rng.integers(0, i))}" if i and i % 100 == 0 else f"r{i}"
-            f.write(json.dumps({"id": rid, "input_ids": rng.integers(100, 49000, int(rng.integers(4, 17))).tolist()}))
-            f.write("\n")
-    out = tmp_path / "out"
-    sets = [
-        "--set",
-        "extract.batch_size=256",
-        "--set",
-        "engine.max_in_flight=32",
-        "--set",
-        "ray.object_store_memory_mb=1000",
-    ]
-    env = dict(os.environ, RAY_ADDRESS="")
-    proc = subprocess.Popen(harvest_command(path, out, *sets), cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 6 * 3600
-    while proc.poll() is None and time.monotonic() < deadline:
-        if len(list((out / "shards").glob("part-*.parquet"))) >= n // 256 // 10:
-            break
-        time.sleep(2)
-    assert proc.poll() is None, "the job ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    rerun = subprocess.run(harvest_command(path, out, *sets), cwd=REPO, env=env, capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    totals = read_manifest(Store(str(out)))["totals"]
-    assert totals["input_rows"] == totals["accounted"] == n
-    report = verify(str(out))  # no sample_id twice, totals match the shards
-    assert report.ok, report.problems
+    r = kill_and_rerun(100_000, 0.1, tmp_path)
+    assert r["first_run"]["shards_at_kill"] < r["totals"]["shards"], r
+    assert r["totals"]["input_rows"] == r["totals"]["accounted"] == 100_000, r
+    assert r["verify"]["ok"], r["verify"]
+    assert r["stored_samples"] == r["distinct_ids"] and r["stored_twice"] == r["missing"] == r["mispaired"] == 0, r
