@@ -31,21 +31,22 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_throughput import machine  # noqa: E402
 
 from pipeline.format.manifest import read_manifest  # noqa: E402
 from pipeline.format.storage import Store  # noqa: E402
 from pipeline.tools.verify import verify  # noqa: E402
+from tests_support import harvest_command, sets  # noqa: E402
 
 BATCH = 256
-SETS = {
-    "extract.batch_size": str(BATCH),
-    "engine.max_in_flight": "32",
-    "ray.num_cpus": "2",
-    "ray.object_store_memory_mb": "1000",
-    "progress.interval_s": "10",
-}
+SETS = (
+    f"extract.batch_size={BATCH}",
+    "engine.max_in_flight=32",
+    "ray.object_store_memory_mb=1000",
+    "progress.interval_s=10",
+)
 
 
 def write_rows(path: Path, n: int, seed: int = 3) -> dict[str, list[int]]:
@@ -62,39 +63,33 @@ def write_rows(path: Path, n: int, seed: int = 3) -> dict[str, list[int]]:
 
 
 def command(rows: Path, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")]
-    sets = {"input.path": str(rows), "output.path": str(out), **SETS}
-    return cmd + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    """The default config's `harvest run` on 2 CPUs (tests_support's), with this benchmark's settings after it."""
+    return harvest_command(rows, out, *sets(*SETS))
 
 
-def stored(out: Path) -> dict[str, list[int]]:
-    """sample_id -> input_ids over every shard; a sample_id seen twice is kept under a key of its own."""
-    seen: dict[str, list[int]] = {}
+def stored(out: Path) -> list[tuple[str, list[int]]]:
+    """(sample_id, input_ids) of every sample in every shard."""
+    pairs = []
     for f in sorted((out / "shards").glob("part-*.parquet")):
         t = pq.read_table(f, columns=["sample_id", "input_ids"])
-        for sid, ids in zip(t.column("sample_id").to_pylist(), t.column("input_ids").to_pylist(), strict=True):
-            seen[sid if sid not in seen else f"{sid}#twice@{f.name}"] = ids
-    return seen
+        pairs += zip(t.column("sample_id").to_pylist(), t.column("input_ids").to_pylist(), strict=True)
+    return pairs
 
 
 def kill_and_rerun(n: int, kill_at: float, work: Path) -> dict:
     rows, out = work / "rows.jsonl", work / "out"
     first = write_rows(rows, n)
     env = dict(os.environ, RAY_ADDRESS="")
-    log = (work / "first_run.log").open("w")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(command(rows, out), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     kill_shards = max(1, int(n / BATCH * kill_at))
-    shards = 0
-    while proc.poll() is None:
-        shards = len(list((out / "shards").glob("part-*.parquet"))) if (out / "shards").is_dir() else 0
-        if shards >= kill_shards:
-            break
-        time.sleep(1)
-    if proc.poll() is not None:
-        raise RuntimeError(f"the first run ended (exit {proc.returncode}) before it could be killed")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    t0 = time.monotonic()
+    with (work / "first_run.log").open("w") as log:
+        proc = subprocess.Popen(command(rows, out), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None and len(list(out.glob("shards/part-*.parquet"))) < kill_shards:
+            time.sleep(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the first run ended (exit {proc.returncode}) before it could be killed")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     killed_after = time.monotonic() - t0
     at_kill = len(list((out / "shards").glob("part-*.parquet")))
     t1 = time.monotonic()
@@ -105,9 +100,8 @@ def kill_and_rerun(n: int, kill_at: float, work: Path) -> dict:
         raise RuntimeError(f"the rerun failed (exit {rerun.returncode}): {rerun.stderr[-3000:]}")
     manifest = read_manifest(Store(str(out)))
     report = verify(str(out))
-    got = stored(out)
-    twice = [k for k in got if "#twice@" in k]
-    mispaired = [k for k, ids in got.items() if "#twice@" not in k and first.get(k) != ids]
+    pairs = stored(out)
+    ids_stored = {sid for sid, _ in pairs}
     last = manifest["last_run"]
     return {
         "rows": n,
@@ -122,10 +116,10 @@ def kill_and_rerun(n: int, kill_at: float, work: Path) -> dict:
         },
         "totals": manifest["totals"],
         "verify": {"ok": report.ok, "problems": report.problems[:20]},
-        "stored_samples": len(got) - len(twice),
-        "stored_twice": len(twice),
-        "missing": len(set(first) - set(got)),
-        "mispaired": len(mispaired),
+        "stored_samples": len(ids_stored),
+        "stored_twice": len(pairs) - len(ids_stored),
+        "missing": len(set(first) - ids_stored),
+        "mispaired": sum(first.get(sid) != ids for sid, ids in pairs),
     }
 
 
@@ -143,13 +137,13 @@ def main() -> None:
         "command": f"python bench/bench_kill_rerun.py --rows {args.rows} --kill-at {args.kill_at} --work WORK",
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
-        "settings": SETS,
+        "settings": dict(s.split("=", 1) for s in SETS),
         **figures,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    logging_line = {k: result[k] for k in ("rows", "stored_samples", "stored_twice", "missing", "mispaired")}
-    sys.stdout.write(json.dumps(logging_line) + "\n")
+    summary = {k: result[k] for k in ("rows", "stored_samples", "stored_twice", "missing", "mispaired")}
+    sys.stdout.write(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":
