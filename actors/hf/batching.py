@@ -35,7 +35,7 @@ def fill_share(host_launch_s: float, device_s_per_token: float, max_batch_tokens
     time to launch a forward, within [1/8, 1/2].
 
     The host needs about the same time to launch a forward of any size (every layer's kernels, from Python:
-    ~130 ms for a 36-layer 8B decoder on the H200's host, bench/results/forward_gap_h200.json), while the
+    26-44 ms for a 32-layer 8B decoder onto an idle H200, bench/results/forward_host_h200.json), while the
     device's time grows with the tokens. A smaller forward leaves the device waiting on the host, so up to
     this size padding is free: the device would have waited anyway. Half the budget at most, so that a
     slow host does not turn every forward into padding; an eighth at least, the floor before it was measured."""
@@ -47,12 +47,16 @@ def fill_share(host_launch_s: float, device_s_per_token: float, max_batch_tokens
 class FillFloor:
     """The fill floor (`fill_share`), kept up to date from the engine's own forwards while a job runs.
 
-    Measured once at warm-up, with the forward thread alone, the host launched a small forward in ~60 ms on
-    the H200 host; inside a job, where the actor's encoding threads and Ray's want the same interpreter lock,
-    the same launch took 160-190 ms (bench/results/longtail_fill_floor_h200.json), so the warm-up's floor stayed
-    at its minimum. Here every forward counts: one whose device time was shorter than the host's launch was
-    host-bound, and its host time is what a launch costs now; one of at least half the budget tells the
-    device's time per padded token. The medians of the last `window` of each set the floor."""
+    A forward tells the launch cost only if the device had run dry before it (`device_waited`): otherwise
+    the host's time includes waiting for earlier forwards. CUDA lets the host queue only so many launches;
+    past that, each launch blocks until the device has run earlier work, so a small forward queued behind a
+    16k-token one "took" most of that one's device time to launch. Counted anyway, as until 2026-12, they put
+    the launch at 118-433 ms where a forward launched onto an idle device takes 26-44 ms (8B shape, H200
+    host: bench/results/forward_host_h200.json), and the floor sat at its cap, half the budget, padding
+    every forward under 8k tokens for nothing. Counted: a forward whose device time was shorter than the
+    host's launch of it onto an idle device (host-bound, so its host time is what a launch costs now,
+    contention in the job's process included); and, for the device's time per padded token, one of at least
+    half the budget. The medians of the last `window` of each set the floor."""
 
     def __init__(self, max_batch_tokens: int, window: int = 32):
         self.max_batch_tokens = max_batch_tokens
@@ -60,9 +64,10 @@ class FillFloor:
         self.token_s: deque[float] = deque(maxlen=window)
         self.share = BatchPolicy.min_fill
 
-    def observe(self, host_s: float, device_s: float, padded_tokens: int) -> float:
-        """One forward: the host's time to launch it, the device's time to run it; returns the floor (share)."""
-        if 0 < device_s < host_s:
+    def observe(self, host_s: float, device_s: float, padded_tokens: int, device_waited: bool = True) -> float:
+        """One forward: the host's time to launch it, the device's time to run it, whether the device sat idle
+        before it (its launch queued behind nothing); returns the floor (share)."""
+        if device_waited and 0 < device_s < host_s:
             self.launch_s.append(host_s)
         if padded_tokens >= self.max_batch_tokens // 2 and device_s > 0:
             self.token_s.append(device_s / padded_tokens)

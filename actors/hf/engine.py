@@ -105,6 +105,9 @@ class HFEngine:
     name = "hf"
     start_attempts = 1  # a model load that fails fails again: nothing to retry
     WARMUP_MAX_LENGTH = 2048  # the warm-up's sequences: max_batch_tokens in as many of these as fit
+    # The device sat idle before a forward when more than this passed between the previous forward's end and
+    # this one's first layer (its ids' copy and the embedding take well under it).
+    DEVICE_WAITED_MS = 0.5
     # Pinned slabs of the largest batch (actors/hf/pinned.py): two in the finisher's hands, the rest held by
     # captures the actor has not encoded yet. Past this many a batch allocates its own, counted in stats().
     # HIDDEN_HARVEST_PINNED_SLABS overrides it for benchmarks (0: every batch allocates, as before the slabs).
@@ -630,7 +633,13 @@ class HFEngine:
         between_ms = self._prev_end.elapsed_time(first) if self._prev_end is not None else None
         self.timing["device_forward"] += forward_ms / 1000
         if staged is not None:  # the floor follows what launching a forward costs inside the job
-            self.min_fill = self._floor.observe(marks.get("host_forward_s", 0.0), forward_ms / 1000, staged.ids.size)
+            self.min_fill = self._floor.observe(
+                marks.get("host_forward_s", 0.0),
+                forward_ms / 1000,
+                staged.ids.size,
+                # Only a forward the device waited for was launched onto an idle device (batching.FillFloor).
+                device_waited=between_ms is None or between_ms > self.DEVICE_WAITED_MS,
+            )
         self.timing["device_stage"] += norm.elapsed_time(end) / 1000
         self.timing["device_layer_excess"] += excess_ms / 1000
         self.lead_under_a_layer += marks.get("lead_under_a_layer", 0)

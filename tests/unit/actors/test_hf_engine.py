@@ -409,6 +409,22 @@ def test_the_fill_floor_follows_the_launch_cost_the_job_measures_not_the_warm_up
     assert floor.share == pytest.approx(0.190 / 31.4e-6 / 16384, rel=1e-3)
 
 
+def test_a_forward_queued_behind_earlier_work_does_not_count_as_a_launch():
+    floor = FillFloor(16384, window=8)
+    floor.observe(0.150, 0.514, 16384)  # 31.4 us a padded token
+    floor.observe(0.040, 0.008, 256)  # launched onto an idle device: 40 ms
+    # Small forwards right behind full ones: the host's time is mostly the full one's device time, spent
+    # blocked on CUDA's launch queue. They say nothing of the launch, and the floor stays where it was.
+    for _ in range(8):
+        floor.observe(0.430, 0.060, 2048, device_waited=False)
+    assert floor.launch_s[-1] == 0.040 and len(floor.launch_s) == 1
+    assert floor.share == 0.125
+    # The same forwards with the device idle before them were host-bound: they count.
+    for _ in range(8):
+        floor.observe(0.190, 0.070, 2200, device_waited=True)
+    assert floor.share == pytest.approx(0.190 / 31.4e-6 / 16384, rel=1e-3)
+
+
 def test_the_engines_batches_fill_to_its_measured_floor():
     eng = HFEngine("unused", (1,), device="cpu", max_batch_tokens=1000)
     assert eng.policy.min_fill == BatchPolicy.min_fill
