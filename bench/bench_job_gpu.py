@@ -16,8 +16,9 @@
    a plain transformers loop (bench/bare_hf.plain_loop: length-sorted batches, right-padded, one forward
    after another; --no-plain skips it) and
    bare: bench/bare_hf.BareHFEngine (the hf engine, nothing kept) on the same prompts, every prompt submitted at once (so
-   its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens, best of
-   --passes passes over the same prompts; the baseline is the best of all. Beside each rate: the device's
+   its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens and each fill
+   floor (the engine's default and the measured one), best of --passes passes over the same prompts; the
+   baseline is the best of all. Beside each rate: the device's
    microseconds per padded token (its forwards' own clock), the number to set against the job's.
 4. job: `python -m pipeline.cli run` with engine.name=hf, the best max_batch_tokens, num_actors = each of
    --actors (one GPU each; `N@DIR` puts that run's output under DIR instead of --work), the output on local
@@ -148,6 +149,11 @@ def us_per_padded_token(engine_stats: dict) -> float | None:
     return round(1e6 * dev / padded, 2) if dev and padded else None
 
 
+# The bare engine's fill floors swept beside max_batch_tokens: the engine's default and the measured one, so the
+# baseline is the bare engine at its best whichever suits it (actors/hf/engine.py, CUDA_FILL_FLOOR).
+BARE_FILL_FLOORS = (None, "measured")
+
+
 def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: str, passes: int = 1) -> dict:
     from bench.bare_hf import BareHFEngine
     from pipeline.driver.plan import default_aux_layers
@@ -156,11 +162,16 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
     aux = default_aux_layers(num_hidden_layers(model_dir))
     eng = BareHFEngine(str(model_dir), aux, device=device, max_batch_tokens=max(sweep)).start()
     tokens = sum(len(p) for p in prompts)
-    rates, stats, every = {}, {}, {}
+    rates, stats, every, sizes = {}, {}, {}, {}
     try:
         eng.capture([(f"w{i}", p) for i, p in enumerate(prompts[:64])])  # warm-up: kernels, allocator
-        for b in sweep:
+        default_floor = eng.fill_floor
+        for b, floor in ((b, f) for b in sweep for f in BARE_FILL_FLOORS):
             eng.max_batch_tokens = b
+            eng.fill_floor = default_floor if floor is None else None  # None on the engine: measured
+            eng.min_fill = eng.fill_floor if eng.fill_floor is not None else eng._floor.share
+            setting = f"{b}" if floor is None else f"{b}/fill_floor={floor}"
+            sizes[setting] = b
             for k in range(passes):  # the same prompts again: the engine at its best, not its first pass
                 eng.reset_stats()
                 t0, start_unix = time.monotonic(), time.time()
@@ -170,7 +181,7 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
                 if errors:
                     raise RuntimeError(f"bare run failed: {errors[:3]}")
                 s = eng.stats()  # the device's own seconds, to set against the job's (per_actor.engine)
-                every.setdefault(str(b), []).append(
+                every.setdefault(setting, []).append(
                     {
                         "tok_s": round(tokens / dt, 1),
                         "us_per_padded_token": us_per_padded_token(s),
@@ -178,20 +189,25 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
                         "window_unix": [round(start_unix, 3), round(time.time(), 3)],
                     }
                 )
-                if tokens / dt > rates.get(b, 0.0):
-                    rates[b], stats[b] = tokens / dt, s
+                if tokens / dt > rates.get(setting, 0.0):
+                    rates[setting], stats[setting] = tokens / dt, s
                 log(
-                    f"bare max_batch_tokens={b} pass {k + 1}: {tokens / dt:,.0f} tok/s ({dt:.1f}s, padding "
+                    f"bare max_batch_tokens={setting} pass {k + 1}: {tokens / dt:,.0f} tok/s ({dt:.1f}s, padding "
                     f"{eng.padded_tokens / max(eng.real_tokens, 1) - 1:.3f}, {us_per_padded_token(s)} us per padded token, "
                     f"layer excess {s.get('device_layer_excess_s')} s)"
                 )
     finally:
         eng.close()
     best = max(rates, key=rates.get)
+    by_size: dict[str, float] = {}
+    for setting, rate in rates.items():
+        by_size[str(sizes[setting])] = max(by_size.get(str(sizes[setting]), 0.0), round(rate, 1))
     return {
-        "tok_s_by_max_batch_tokens": {str(k): round(v, 1) for k, v in rates.items()},
+        "tok_s_by_max_batch_tokens": by_size,
+        "tok_s_by_setting": {k: round(v, 1) for k, v in rates.items()},
         "passes": every,
-        "best_max_batch_tokens": best,
+        "best_setting": best,
+        "best_max_batch_tokens": sizes[best],
         "tok_s": round(rates[best], 1),
         "us_per_padded_token": us_per_padded_token(stats[best]),
         "tokens": tokens,

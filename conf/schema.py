@@ -98,6 +98,18 @@ class HFEngineConfig(_EngineBase):
     # Padded tokens per forward (requests are batched by length up to this). On CUDA the engine runs one
     # forward of this size at start, so a size the GPU cannot hold is refused there.
     max_batch_tokens: int = Field(16384, ge=1)
+    # Below this share of max_batch_tokens a forward takes more requests whatever their padding: fewer, fuller
+    # forwards where the host's launches would leave the device waiting. None: the device's default (1.0 on a
+    # GPU, every forward filled; 1/8 on a CPU, where padding is all cost); "measured": set on a GPU from the
+    # host's launch time and the device's time per token (actors/hf/batching.py, FillFloor).
+    fill_floor: float | Literal["measured"] | None = None
+
+    @field_validator("fill_floor")
+    @classmethod
+    def _share(cls, v):
+        if isinstance(v, float) and not 0 < v <= 1:
+            raise ValueError(f'fill_floor {v}: a share of max_batch_tokens in (0, 1], "measured", or null')
+        return v
 
     # On a GPU the engine fills each forward from the requests of every batch it holds: 16 batches of 128
     # reached 0.92 of the bare engine on the H200 where 2 of 32 left it idle between batches

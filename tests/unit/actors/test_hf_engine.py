@@ -425,6 +425,28 @@ def test_a_forward_queued_behind_earlier_work_does_not_count_as_a_launch():
     assert floor.share == pytest.approx(0.190 / 31.4e-6 / 16384, rel=1e-3)
 
 
+def test_a_configured_fill_floor_stays_whatever_the_forwards_measure():
+    eng = HFEngine("unused", (1,), device="cpu", max_batch_tokens=1000, fill_floor=1.0)
+    assert eng.policy.min_fill == 1.0
+    eng._floor.observe(0.150, 0.514, 1000)
+    eng._floor.observe(0.040, 0.008, 100)
+    assert eng._floor.share != 1.0 and eng.policy.min_fill == 1.0
+    pool = [_req(k, n, 0) for k, n in (("p100", 100), ("p60", 60), ("p20", 20))]
+    assert [r.key for r in take_batch(pool, eng.policy)] == ["p100", "p60", "p20"]  # fills past any padding
+
+
+def test_the_fill_floor_defaults_per_device_and_comes_from_the_config():
+    from conf.schema import load_config
+
+    assert HFEngine("unused", (1,), device="cpu").policy.min_fill == BatchPolicy.min_fill  # padding is all cost
+    assert HFEngine("unused", (1,), device="cuda").policy.min_fill == HFEngine.CUDA_FILL_FLOOR == 1.0
+    measured = HFEngine("unused", (1,), device="cuda", fill_floor="measured")
+    assert measured.fill_floor is None and measured.policy.min_fill == BatchPolicy.min_fill  # until measured
+    for value, expected in (("measured", "measured"), ("0.5", 0.5), ("null", None)):
+        cfg = load_config("conf/default.yaml", ["engine.name=hf", f"engine.fill_floor={value}"])
+        assert HFEngine.kwargs_for(cfg.engine, "m", (1,), True, 2)["fill_floor"] == expected
+
+
 def test_the_engines_batches_fill_to_its_measured_floor():
     eng = HFEngine("unused", (1,), device="cpu", max_batch_tokens=1000)
     assert eng.policy.min_fill == BatchPolicy.min_fill
