@@ -2,10 +2,10 @@
 
   python bench/profile_forward_host.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b] [--out FILE.json]
 
-The job's forwards are close to host-bound: the engine's warm-up measures ~130-430 ms to launch one forward
-from Python (`fill_floor_launch_ms`) against ~0.4 s of device time for a full 16k-token one, so any wait of
-the forward thread becomes device time (bench/results/benchmix_*_h200.json: the layer excess). This asks why
-a launch costs that much, with the device idle before each measurement:
+Written when the engine's own counter (`fill_floor_launch_ms`) put a launch at 118-433 ms against ~0.4 s of
+device time for a full 16k-token forward. It measures the launch with the device idle before each call, so
+nothing queued earlier is waited for (bench/results/forward_host_h200.json: 26-44 ms for the 8B shape; the
+counter had included waits on CUDA's full launch queue behind earlier forwards):
 
 1. host seconds to launch one forward (the call returning, nothing waited for) per shape, beside the
    device's own seconds for it, for: the plain decoder (no hooks), the decoder with the engine's keep hooks,
