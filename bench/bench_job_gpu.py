@@ -169,7 +169,6 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
         for b, floor in ((b, f) for b in sweep for f in BARE_FILL_FLOORS):
             eng.max_batch_tokens = b
             eng.fill_floor = default_floor if floor is None else None  # None on the engine: measured
-            eng.min_fill = eng.fill_floor if eng.fill_floor is not None else eng._floor.share
             setting = f"{b}" if floor is None else f"{b}/fill_floor={floor}"
             sizes[setting] = b
             for k in range(passes):  # the same prompts again: the engine at its best, not its first pass

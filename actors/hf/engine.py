@@ -188,14 +188,14 @@ class HFEngine:
         self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
         # engine.fill_floor: a share of max_batch_tokens, "measured" (on CUDA from the warm-up, then from
-        # every forward of the job: batching.FillFloor), or None for the device's default.
+        # every forward of the job: batching.FillFloor), or None for the device's default. Here None is the
+        # measured floor, which on a CPU stays at its minimum (nothing there measures it).
         if fill_floor == "measured":
             self.fill_floor = None
         elif fill_floor is None:
             self.fill_floor = self.CUDA_FILL_FLOOR if self.cuda else None
         else:
             self.fill_floor = float(fill_floor)
-        self.min_fill = BatchPolicy.min_fill if self.fill_floor is None else self.fill_floor
         self._floor = FillFloor(max_batch_tokens)
         self.cpu_threads = cpu_threads
         self.warmup = warmup  # None: on CUDA only (see _warm_up)
@@ -282,6 +282,11 @@ class HFEngine:
         return self
 
     @property
+    def min_fill(self) -> float:
+        """The fill floor in force: engine.fill_floor where it fixes one, else the measured one."""
+        return self.fill_floor if self.fill_floor is not None else self._floor.share
+
+    @property
     def policy(self) -> BatchPolicy:
         return BatchPolicy(self.max_batch_tokens, min_fill=self.min_fill)
 
@@ -322,8 +327,6 @@ class HFEngine:
             per_token = self.timing["device_forward"] / max(self.padded_tokens, 1)
             launch = self._launch_seconds()
             # Its forwards (the full one, the small ones) were observed as they finished (_device_time).
-            if self.fill_floor is None:
-                self.min_fill = self._floor.share
             logger.info(
                 "hf engine: the host launches a forward in %.0f ms, the device runs %.1f us a padded token: "
                 "forwards fill to %d tokens before the padding cap applies",
@@ -651,15 +654,13 @@ class HFEngine:
         between_ms = self._prev_end.elapsed_time(first) if self._prev_end is not None else None
         self.timing["device_forward"] += forward_ms / 1000
         if staged is not None:  # the floor follows what launching a forward costs inside the job
-            share = self._floor.observe(
+            self._floor.observe(
                 marks.get("host_forward_s", 0.0),
                 forward_ms / 1000,
                 staged.ids.size,
                 # Only a forward the device waited for was launched onto an idle device (batching.FillFloor).
                 device_waited=between_ms is None or between_ms > self.DEVICE_WAITED_MS,
             )
-            if self.fill_floor is None:
-                self.min_fill = share
         self.timing["device_stage"] += norm.elapsed_time(end) / 1000
         self.timing["device_layer_excess"] += excess_ms / 1000
         self.lead_under_a_layer += marks.get("lead_under_a_layer", 0)

@@ -450,7 +450,7 @@ def test_the_fill_floor_defaults_per_device_and_comes_from_the_config():
 def test_the_engines_batches_fill_to_its_measured_floor():
     eng = HFEngine("unused", (1,), device="cpu", max_batch_tokens=1000)
     assert eng.policy.min_fill == BatchPolicy.min_fill
-    eng.min_fill = 0.5  # as _warm_up sets it on CUDA
+    eng._floor.share = 0.5  # as the warm-up's measurement sets it on CUDA
     pool = [_req(k, n, 0) for k, n in (("p100", 100), ("p60", 60), ("p58", 58), ("p57", 57), ("p56", 56))]
     # Past the padding cap from p60 on, but the forward fills on until it holds 500 padded tokens.
     assert [r.key for r in take_batch(pool, eng.policy)] == ["p100", "p60", "p58", "p57", "p56"]
