@@ -1,0 +1,180 @@
+"""Who takes the CPU while the job extracts on a small machine: the SGLang server, the driver, Ray's daemons, the actor.
+
+  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--out bench/results/cpu_share_cpu.json]
+
+1. An idle local Ray (`ray.init`, no work), with and without its dashboard: each of its processes' CPU over
+   --idle-s seconds, as a share of one core.
+2. The default job (`harvest run conf/default.yaml`, SGLang in CPU mode) on the short prompt set of
+   bench/bench_throughput.py: every process of this user sampled from /proc every 0.5 s, and each role's CPU
+   from the moment the engine was up to the last result (the manifest's clock), as a share of one core. On a
+   2-core machine the server's two OpenMP threads want both cores; whatever else runs takes from them.
+The sampler itself costs ~4-6 % of one core (reading /proc for every process twice a second); it is not counted
+among the roles but takes from the server like them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_throughput import machine, short_set  # noqa: E402
+
+from conf.schema import load_config  # noqa: E402
+from pipeline.intake.model import resolve_model  # noqa: E402
+from pipeline.intake.tokenize import Tokenize  # noqa: E402
+
+
+def role(p: psutil.Process) -> str:
+    name, cmd = p.name(), " ".join(p.cmdline())
+    # The server's own children (scheduler, detokenizer) are multiprocessing processes named "python".
+    if any("sglang" in " ".join(q.cmdline()) for q in (p, *p.parents())):
+        return "sglang server"
+    if "pipeline.cli" in cmd:
+        return "driver"
+    if cmd.startswith("ray::"):  # Ray's workers carry their task or actor in their process title (argv)
+        if "HiddenStateExtractor" in cmd:
+            return "actor"
+        return "ray agents" if "Agent" in cmd.split()[0] else "ray other workers"
+    if name in ("gcs_server", "raylet"):
+        return f"ray {name.replace('_server', '')}"
+    if "dashboard" in cmd:
+        return "ray agents" if "agent" in cmd else "ray dashboard"
+    if "log_monitor" in cmd:
+        return "ray log monitor"
+    return "other"
+
+
+class Sampler:
+    """Each of this user's processes' CPU seconds, every `every` s, with their role (this process left out)."""
+
+    def __init__(self, every: float = 0.5):
+        self.every, self.rows, self._stop = every, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me, roles = os.getpid(), {}
+        while not self._stop.is_set():
+            snap = {}
+            for p in psutil.process_iter():
+                try:
+                    if p.pid == me or p.uids().real != os.getuid():
+                        continue
+                    # A worker starts under the interpreter's name and takes its task's title later: looked
+                    # at again until it has a role of its own.
+                    if roles.get(p.pid, "other") in ("other", "ray other workers"):
+                        roles[p.pid] = role(p)
+                    t = p.cpu_times()
+                    snap[p.pid] = (roles[p.pid], t.user + t.system)
+                except (psutil.Error, OSError):
+                    continue
+            self.rows.append((time.time(), snap))
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def shares(self, start: float, end: float) -> dict[str, float]:
+        """Per role: CPU seconds between the samples nearest `start` and `end`, as % of one core."""
+        inside = [r for r in self.rows if start <= r[0] <= end]
+        if len(inside) < 2:
+            return {}
+        (t0, a), (t1, b) = inside[0], inside[-1]
+        out: dict[str, float] = {}
+        for pid, (name, cpu) in b.items():
+            out[name] = out.get(name, 0.0) + cpu - (a[pid][1] if pid in a else 0.0)
+        return {k: round(100 * v / (t1 - t0), 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def idle_ray(seconds: float, dashboard: bool) -> dict[str, float]:
+    code = (
+        "import ray, time, sys; ray.init(num_cpus=2, include_dashboard=sys.argv[1] == '1'); "
+        "print('up', flush=True); time.sleep(float(sys.argv[2]))"
+    )
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="")
+    with Sampler() as s:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "1" if dashboard else "0", str(seconds + 20)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        proc.stdout.readline()  # Ray is up
+        time.sleep(10)  # its start-up settles
+        t0 = time.time()
+        time.sleep(seconds)
+        shares = s.shares(t0, time.time())
+        proc.wait()
+    shares.pop("other", None)  # the idle driver's own process
+    return shares | {"total": round(sum(shares.values()), 1)}
+
+
+def job(prompts: int) -> dict:
+    cfg = load_config(str(ROOT / "conf" / "default.yaml"), [])
+    model_dir = resolve_model(cfg.model.path)
+    tok = Tokenize(
+        str(model_dir), cfg.extract.max_tokens, cfg.extract.overlength, cfg.input.id_field, cfg.extract.turns, {}
+    )
+    lines = (ROOT / cfg.input.path).read_text().splitlines()
+    samples = short_set(tok, lines, prompts, 0)
+    with tempfile.TemporaryDirectory() as work:
+        rows = Path(work) / "short.jsonl"
+        rows.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": s}) + "\n" for i, s in enumerate(samples)))
+        cmd = [sys.executable, "-m", "pipeline.cli", "run", "conf/default.yaml"]
+        cmd += ["--set", f"input.path={rows}", "--set", f"output.path={work}/o"]
+        env = dict(os.environ, RAY_ADDRESS="")
+        with Sampler() as s:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"the job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        last = json.loads((Path(work) / "o" / "manifest.json").read_text())["last_run"]
+    shares = s.shares(last["engines_ready_unix"], last["last_result_unix"])
+    return {
+        "prompts": prompts,
+        "tokens": sum(map(len, samples)),
+        "window_s": round(last["last_result_unix"] - last["engines_ready_unix"], 1),
+        "tok_s_after_engine_start": last["tokens_per_second_after_engine_start"],
+        "cpu_share_of_one_core": shares,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=150)
+    ap.add_argument("--idle-s", type=float, default=30.0)
+    ap.add_argument("--out", default="bench/results/cpu_share_cpu.json")
+    args = ap.parse_args()
+    os.chdir(ROOT)
+    result = {
+        "benchmark": "CPU share by process role: an idle local Ray, and the default job on short prompts",
+        "command": f"python bench/bench_cpu_share.py --prompts {args.prompts} --idle-s {args.idle_s:g}",
+        "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "idle_ray": {"with_dashboard": idle_ray(args.idle_s, True), "without_dashboard": idle_ray(args.idle_s, False)},
+        "job": job(args.prompts),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
