@@ -150,7 +150,7 @@ def summarize(samples: list[list[int]], sweeps: list[dict[int, float]], jobs: li
         # The job's extra time per request over the plain server's, at the set's mean length.
         "ms_per_request_over_plain": round((1 / after - 1 / base) * tokens / len(samples) * 1000, 1) if after else None,
         # Each repeat's job against the plain sweep just before it: the machine's speed drifts between passes
-        # (the same plain sweep has measured 718-965 tok/s on one 2-core host), so pairs say more than medians.
+        # (the same plain sweep measured 889 and 754 tok/s minutes apart on a 2-core host), so pairs say more.
         "ratio_vs_plain_per_repeat": [
             round(j["job_after_start_tok_s"] / max(s.values()), 3) if j.get("job_after_start_tok_s") else None
             for s, j in zip(sweeps, jobs)
