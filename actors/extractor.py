@@ -106,6 +106,10 @@ class HiddenStateExtractor:
         counters = self.engine.stats()
         if counters.get("start") is not None:  # where this actor's start went, for the driver's start-up line
             counters["start"] = dict(counters["start"], actor_init_unix=self.init_unix, ready_unix=self.ready_unix)
+        if counters:
+            # When this batch's files were committed: a run's tail splits into the actor's last encoding and
+            # commit (engine's last results -> here) and Ray returning the rows (here -> the driver).
+            counters["batch_committed_unix"] = time.time()
         engine_stats = json.dumps(counters) if counters else ""
         for r in results:
             r.update(

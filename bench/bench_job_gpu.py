@@ -31,7 +31,7 @@ excluded, every batch included). The end-to-end and steady (first to last commit
 the steady rate misleads when a few large batches are all in flight at once (they all land at the end).
 Each run's `window` splits that span per actor with the engine's own clock (before the first forward, the
 forwards' span, after the last results); `--variant NAME:KEY=VAL,...` adds one-actor runs with other settings
-(an upper-case KEY is an environment variable of that job's processes instead of a config key).
+(a KEY without a section, e.g. RAY_worker_niceness, is an environment variable of that job's processes).
 6. --replay: the first job's forwards (their exact batches, from the engine's forward log) run again on the
    bare engine in this process: the same shapes without the actor around them, so a per-token gap can be
    told apart into the job's batch composition and what the actor's process does to its forwards.
@@ -320,9 +320,10 @@ def job(
         "progress.interval_s=5",
         *extra_sets,
     ]
-    # A variant's upper-case keys are environment variables of the job (e.g. HIDDEN_HARVEST_PINNED_SLABS=0).
-    job_env = dict(x.split("=", 1) for x in sets if x.split("=", 1)[0].isupper())
-    sets = [x for x in sets if not x.split("=", 1)[0].isupper()]
+    # A variant's keys without a section (no dot) are environment variables of the job, e.g.
+    # HIDDEN_HARVEST_PINNED_SLABS=0 or RAY_worker_niceness=0 (Ray's names are case-sensitive).
+    job_env = dict(x.split("=", 1) for x in sets if "." not in x.split("=", 1)[0])
+    sets = [x for x in sets if "." in x.split("=", 1)[0]]
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [
         a for s in sets for a in ("--set", s)
     ]
@@ -499,6 +500,10 @@ def replay(model_dir: Path, rows: list[dict], device: str, aux: list[int], passe
     return {"passes": out}
 
 
+def _since(later: float | None, earlier: float | None) -> float | None:
+    return None if later is None or earlier is None else round(later - earlier, 3)
+
+
 def window(last_run: dict) -> dict:
     """Where the rate's window (first engine up -> last commit) went, per actor, from the engine's own clock:
     waiting for the first batch, the span from the first forward to the last results, and what came after
@@ -516,6 +521,9 @@ def window(last_run: dict) -> dict:
             "device_span_s": round(last - first, 3),
             "idle_in_span_s": e.get("idle_s"),
             "after_last_results_s": round(end - last, 3),
+            # ...of which the actor's last encoding and commit, then Ray returning the rows to the driver.
+            "last_commit_after_results_s": _since(e.get("batch_committed_unix"), last),
+            "rows_to_driver_s": _since(end, e.get("batch_committed_unix")),
             "padding": round(e["padded_tokens"] / max(e["real_tokens"], 1) - 1, 4),
             "forwards": e.get("forwards"),
             "us_per_padded_token": us_per_padded_token(e),
