@@ -1,4 +1,5 @@
 import hashlib
+import json
 import random
 import threading
 import time
@@ -190,3 +191,29 @@ def test_each_batch_puts_an_index_entry_that_resume_trusts_for_both_its_files(tm
         got.update(zip(t["sample_id"].to_pylist(), zip(t["status"].to_pylist(), t["num_tokens"].to_pylist())))
     assert (report.entries, report.files, report.from_index, report.read) == (1, 2, 2, [])
     assert got == {"d-0": ("ok", 3), "d-1": ("error", 0), "d-2": ("ok", 5), "d-3": ("ok", 6)}
+
+
+def test_an_engine_with_counters_gets_each_batch_stamped_once_its_files_are_committed(tmp_path):
+    class Counting(StandInEngine):
+        def stats(self):
+            return {"forwards": 3}
+
+    stage = make_stage(tmp_path, Counting(window=2, delay_s=0.0))
+    rows = stage(batch("a", 4)).to_pylist()
+    stage.close()
+    stats = {r["engine_stats"] for r in rows}
+    assert len(stats) == 1  # one snapshot per batch, on every row
+    stamp = json.loads(stats.pop())
+    assert stamp["forwards"] == 3  # the engine's counters pass through as they are
+    shard = tmp_path / rows[0]["shard"]
+    # Taken after the shard was written (a file's time lags the clock, never leads it), so a run's tail can be
+    # told into the last commit and Ray's return of the rows.
+    assert shard.stat().st_mtime <= stamp["batch_committed_unix"] <= time.time()
+    assert stamp["batch_committed_unix"] >= rows[0]["batch_started_unix"]
+
+
+def test_an_engine_without_counters_sends_none(tmp_path):
+    stage = make_stage(tmp_path, StandInEngine(window=2, delay_s=0.0))
+    rows = stage(batch("a", 2)).to_pylist()
+    stage.close()
+    assert {r["engine_stats"] for r in rows} == {""}
