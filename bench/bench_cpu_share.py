@@ -1,6 +1,6 @@
 """Who takes the CPU while the job extracts on a small machine: the SGLang server, the driver, Ray's daemons, the actor.
 
-  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--out bench/results/cpu_share_cpu.json]
+  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--skip-idle] [--out bench/results/cpu_share_cpu.json]
 
 1. An idle local Ray (`ray.init`, no work), with and without its dashboard: each of its processes' CPU over
    --idle-s seconds, as a share of one core.
@@ -8,8 +8,11 @@
    bench/bench_throughput.py: every process of this user sampled from /proc every 0.5 s, and each role's CPU
    from the moment the engine was up to the last result (the manifest's clock), as a share of one core. On a
    2-core machine the server's two OpenMP threads want both cores; whatever else runs takes from them.
+3. A plain `sglang.launch_server` (bench/plain_sglang.py) on the same prompts at 16 in flight, the job's window,
+   sampled the same way: what the server takes of the cores when nothing else runs. For the server, both
+   phases also give its user and system time apart and its processes' niceness.
 The sampler itself costs ~4-6 % of one core (reading /proc for every process twice a second); it is not counted
-among the roles but takes from the server like them.
+among the roles but takes from the server like them, in both phases alike.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_throughput import machine, short_set  # noqa: E402
+from plain_sglang import plain_server, sweep  # noqa: E402
 
+from actors.sglang.server import ServerSpec  # noqa: E402
 from conf.schema import load_config  # noqa: E402
 from pipeline.intake.model import resolve_model  # noqa: E402
 from pipeline.intake.tokenize import Tokenize  # noqa: E402
@@ -78,7 +83,7 @@ class Sampler:
                     if roles.get(p.pid, "other") in ("other", "ray other workers"):
                         roles[p.pid] = role(p)
                     t = p.cpu_times()
-                    snap[p.pid] = (roles[p.pid], t.user + t.system)
+                    snap[p.pid] = (roles[p.pid], t.user + t.system, t.system, p.nice())
                 except (psutil.Error, OSError):
                     continue
             self.rows.append((time.time(), snap))
@@ -99,9 +104,26 @@ class Sampler:
             return {}
         (t0, a), (t1, b) = inside[0], inside[-1]
         out: dict[str, float] = {}
-        for pid, (name, cpu) in b.items():
+        for pid, (name, cpu, *_) in b.items():
             out[name] = out.get(name, 0.0) + cpu - (a[pid][1] if pid in a else 0.0)
         return {k: round(100 * v / (t1 - t0), 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+    def server(self, start: float, end: float) -> dict:
+        """The SGLang server's system time (% of one core) between `start` and `end`, and its processes'
+        niceness (the server inherits its starter's: Ray starts its workers at 15, its daemons and the
+        driver stay at 0)."""
+        inside = [r for r in self.rows if start <= r[0] <= end]
+        if len(inside) < 2:
+            return {}
+        (t0, a), (t1, b) = inside[0], inside[-1]
+        mine = {pid: row for pid, row in b.items() if row[0] == "sglang server"}
+        system = sum(row[2] - (a[pid][2] if pid in a else 0.0) for pid, row in mine.items())
+        others = {row[3] for row in b.values() if row[0] in ("driver", "ray gcs", "ray raylet", "ray dashboard")}
+        return {
+            "system_share_of_one_core": round(100 * system / (t1 - t0), 1),
+            "niceness": sorted({row[3] for row in mine.values()}),
+            "niceness_of_driver_and_ray_daemons": sorted(others),
+        }
 
 
 def idle_ray(seconds: float, dashboard: bool) -> dict[str, float]:
@@ -127,14 +149,35 @@ def idle_ray(seconds: float, dashboard: bool) -> dict[str, float]:
     return shares | {"total": round(sum(shares.values()), 1)}
 
 
-def job(prompts: int) -> dict:
+def short_prompts(prompts: int) -> tuple[Path, list[list[int]]]:
     cfg = load_config(str(ROOT / "conf" / "default.yaml"), [])
     model_dir = resolve_model(cfg.model.path)
     tok = Tokenize(
         str(model_dir), cfg.extract.max_tokens, cfg.extract.overlength, cfg.input.id_field, cfg.extract.turns, {}
     )
     lines = (ROOT / cfg.input.path).read_text().splitlines()
-    samples = short_set(tok, lines, prompts, 0)
+    return model_dir, short_set(tok, lines, prompts, 0)
+
+
+def plain(model_dir: Path, samples: list[list[int]], window: int = 16) -> dict:
+    """The plain server alone, sampled over one pass of the prompts at `window` in flight (after a warm-up)."""
+    with tempfile.TemporaryDirectory() as logs:  # the server's log goes there
+        spec = ServerSpec(model_dir=model_dir, aux_layers=(), dump_dir=Path(logs), cpu_threads=os.cpu_count())
+        with Sampler() as s, plain_server(spec, ("--mem-fraction-static", "0.2")) as server:
+            t0 = time.time()  # sweep() warms the server with 4 prompts first: ~1 s of this window
+            rate = sweep(server.url, samples, [window])[window]
+            t1 = time.time()
+    return {
+        "window": window,
+        "window_s": round(t1 - t0, 1),
+        "tok_s": rate,
+        "cpu_share_of_one_core": s.shares(t0, t1),
+        "server": s.server(t0, t1),
+    }
+
+
+def job(samples: list[list[int]]) -> dict:
+    prompts = len(samples)
     with tempfile.TemporaryDirectory() as work:
         rows = Path(work) / "short.jsonl"
         rows.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": s}) + "\n" for i, s in enumerate(samples)))
@@ -147,12 +190,14 @@ def job(prompts: int) -> dict:
             sys.exit(f"the job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         last = json.loads((Path(work) / "o" / "manifest.json").read_text())["last_run"]
     shares = s.shares(last["engines_ready_unix"], last["last_result_unix"])
+    server = s.server(last["engines_ready_unix"], last["last_result_unix"])
     return {
         "prompts": prompts,
         "tokens": sum(map(len, samples)),
         "window_s": round(last["last_result_unix"] - last["engines_ready_unix"], 1),
         "tok_s_after_engine_start": last["tokens_per_second_after_engine_start"],
         "cpu_share_of_one_core": shares,
+        "server": server,
     }
 
 
@@ -160,17 +205,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=150)
     ap.add_argument("--idle-s", type=float, default=30.0)
+    ap.add_argument("--skip-idle", action="store_true", help="leave out the idle-Ray phase")
     ap.add_argument("--out", default="bench/results/cpu_share_cpu.json")
     args = ap.parse_args()
     os.chdir(ROOT)
+    command = f"python bench/bench_cpu_share.py --prompts {args.prompts} --idle-s {args.idle_s:g}"
     result = {
-        "benchmark": "CPU share by process role: an idle local Ray, and the default job on short prompts",
-        "command": f"python bench/bench_cpu_share.py --prompts {args.prompts} --idle-s {args.idle_s:g}",
+        "benchmark": "CPU share by process role: an idle local Ray, the default job and a plain server on short prompts",
+        "command": command + " --skip-idle" * args.skip_idle,
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
-        "idle_ray": {"with_dashboard": idle_ray(args.idle_s, True), "without_dashboard": idle_ray(args.idle_s, False)},
-        "job": job(args.prompts),
     }
+    if not args.skip_idle:
+        result["idle_ray"] = {
+            "with_dashboard": idle_ray(args.idle_s, True),
+            "without_dashboard": idle_ray(args.idle_s, False),
+        }
+    model_dir, samples = short_prompts(args.prompts)
+    result["job"] = job(samples)
+    result["plain_server"] = plain(model_dir, samples)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -11,10 +11,12 @@ bf16 matmul).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -74,14 +76,21 @@ def sweep(url: str, samples: list[list[int]], windows, dump_dir: Path | None = N
     return out
 
 
-def plain_sweeps(
-    spec: ServerSpec, samples: list[list[int]], windows, flags: tuple[str, ...] = (), repeats: int = 1
-) -> list[dict[int, float]]:
-    """One plain server, every window `repeats` times: [{window: tok/s}] per repeat."""
+@contextlib.contextmanager
+def plain_server(spec: ServerSpec, flags: tuple[str, ...] = ()) -> Iterator[SGLangServer]:
+    """A plain server (started, then closed) with the spec's model and threads and the user's `flags`."""
     build, env = server_mod.build_command, server_mod.build_env
     server_mod.build_command, server_mod.build_env = plain_command, plain_env
     try:
         with SGLangServer(dataclasses.replace(spec, capture=False, extra_flags=tuple(flags))) as server:
-            return [sweep(server.url, samples, windows, label=f"plain run {r + 1}/{repeats}") for r in range(repeats)]
+            yield server
     finally:
         server_mod.build_command, server_mod.build_env = build, env
+
+
+def plain_sweeps(
+    spec: ServerSpec, samples: list[list[int]], windows, flags: tuple[str, ...] = (), repeats: int = 1
+) -> list[dict[int, float]]:
+    """One plain server, every window `repeats` times: [{window: tok/s}] per repeat."""
+    with plain_server(spec, flags) as server:
+        return [sweep(server.url, samples, windows, label=f"plain run {r + 1}/{repeats}") for r in range(repeats)]
