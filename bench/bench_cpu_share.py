@@ -8,9 +8,9 @@
    bench/bench_throughput.py: every process of this user sampled from /proc every 0.5 s, and each role's CPU
    from the moment the engine was up to the last result (the manifest's clock), as a share of one core. On a
    2-core machine the server's two OpenMP threads want both cores; whatever else runs takes from them.
-3. A plain `sglang.launch_server` (bench/plain_sglang.py) on the same prompts at 16 in flight, the job's window,
-   sampled the same way: what the server takes of the cores when nothing else runs. For the server, both
-   phases also give its user and system time apart and its processes' niceness.
+3. A plain `sglang.launch_server` (bench/plain_sglang.py) on the same prompts at 16 in flight (the job's default
+   window), sampled the same way: what the server takes of the cores when nothing else runs. For the server,
+   both phases also give its system time and its processes' niceness.
 The sampler itself costs ~4-6 % of one core (reading /proc for every process twice a second); it is not counted
 among the roles but takes from the server like them, in both phases alike.
 """
@@ -160,7 +160,7 @@ def short_prompts(prompts: int) -> tuple[Path, list[list[int]]]:
 
 
 def plain(model_dir: Path, samples: list[list[int]], window: int = 16) -> dict:
-    """The plain server alone, sampled over one pass of the prompts at `window` in flight (after a warm-up)."""
+    """The plain server alone, sampled over one pass of the prompts at `window` in flight."""
     with tempfile.TemporaryDirectory() as logs:  # the server's log goes there
         spec = ServerSpec(model_dir=model_dir, aux_layers=(), dump_dir=Path(logs), cpu_threads=os.cpu_count())
         with Sampler() as s, plain_server(spec, ("--mem-fraction-static", "0.2")) as server:
