@@ -97,12 +97,17 @@ class Sampler:
         self._stop.set()
         self._thread.join()
 
+    def _span(self, start: float, end: float):
+        """The first and last samples within [start, end] as (t0, first, t1, last), or None with fewer than two."""
+        inside = [r for r in self.rows if start <= r[0] <= end]
+        return (*inside[0], *inside[-1]) if len(inside) >= 2 else None
+
     def shares(self, start: float, end: float) -> dict[str, float]:
         """Per role: CPU seconds between the samples nearest `start` and `end`, as % of one core."""
-        inside = [r for r in self.rows if start <= r[0] <= end]
-        if len(inside) < 2:
+        span = self._span(start, end)
+        if span is None:
             return {}
-        (t0, a), (t1, b) = inside[0], inside[-1]
+        t0, a, t1, b = span
         out: dict[str, float] = {}
         for pid, (name, cpu, *_) in b.items():
             out[name] = out.get(name, 0.0) + cpu - (a[pid][1] if pid in a else 0.0)
@@ -112,10 +117,10 @@ class Sampler:
         """The SGLang server's system time (% of one core) between `start` and `end`, and its processes'
         niceness (the server inherits its starter's: Ray starts its workers at 15, its daemons and the
         driver stay at 0)."""
-        inside = [r for r in self.rows if start <= r[0] <= end]
-        if len(inside) < 2:
+        span = self._span(start, end)
+        if span is None:
             return {}
-        (t0, a), (t1, b) = inside[0], inside[-1]
+        t0, a, t1, b = span
         mine = {pid: row for pid, row in b.items() if row[0] == "sglang server"}
         system = sum(row[2] - (a[pid][2] if pid in a else 0.0) for pid, row in mine.items())
         others = {row[3] for row in b.values() if row[0] in ("driver", "ray gcs", "ray raylet", "ray dashboard")}
