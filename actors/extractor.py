@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
@@ -30,7 +31,14 @@ from actors.metrics import ExtractorMetrics
 from actors.validate import check_capture
 from pipeline.format.errors import ErrorRow, error_file, write_errors
 from pipeline.format.ids_index import write_entry
-from pipeline.format.shards import EncodedSample, ShardLayout, ShardWriter, encode_sample, ids_digest
+from pipeline.format.shards import (
+    ROW_GROUP_BYTES,
+    EncodedSample,
+    ShardLayout,
+    ShardWriter,
+    encode_sample,
+    ids_digest,
+)
 from pipeline.format.storage import Store
 
 logger = logging.getLogger(__name__)
@@ -66,10 +74,16 @@ class HiddenStateExtractor:
         output_url: str,
         retries: int,
         encode_threads: int | None = None,
+        row_group_bytes: int = ROW_GROUP_BYTES,
     ):
         self.init_unix = time.time()  # when Ray had this actor's process up and running its code
         self.layout = layout
         self.retries = retries
+        self.row_group_bytes = row_group_bytes
+        # This actor's shard I/O so far (seconds summed over its batches' threads, and encoded bytes): with the
+        # engine's clock it says whether the disk or the encoders keep a run's last batch from committing.
+        self.io = {"encode_wait_s": 0.0, "build_s": 0.0, "write_s": 0.0, "sync_s": 0.0, "commit_s": 0.0, "bytes": 0}
+        self._io_lock = threading.Lock()
         self.store = Store(output_url)
         self.metrics = ExtractorMetrics()
         self._order = itertools.count()
@@ -99,17 +113,31 @@ class HiddenStateExtractor:
             raise KeyError(f"HiddenStateExtractor needs columns {missing}, got {batch.column_names}")
         rows = batch.to_pylist()
         todo = {r["sample_id"]: r for r in rows if r["status"] == "ok"}
-        with ShardWriter(self.store, self.layout) as shard:
-            failed, latency = self._capture(todo, shard)
+        stamps: dict[str, float] = {}
+        with ShardWriter(self.store, self.layout, self.row_group_bytes) as shard:
+            failed, latency = self._capture(todo, shard, stamps)
             results = self._commit(rows, failed, latency, shard)
+        committed = time.time()
         self.metrics.record(results)
         counters = self.engine.stats()
+        with self._io_lock:
+            for k, v in shard.timing.items():
+                self.io[k] += v
+            self.io["encode_wait_s"] += stamps.get("encode_wait_s", 0.0)
+            self.io["bytes"] += shard.flushed_bytes
+            io = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.io.items()}
         if counters.get("start") is not None:  # where this actor's start went, for the driver's start-up line
             counters["start"] = dict(counters["start"], actor_init_unix=self.init_unix, ready_unix=self.ready_unix)
         if counters:
-            # When this batch's files were committed: a run's tail splits into the actor's last encoding and
-            # commit (engine's last results -> here) and Ray returning the rows (here -> the driver).
-            counters["batch_committed_unix"] = time.time()
+            # When this batch's last capture came back, its last sample was encoded and its files were
+            # committed: a run's tail splits into the actor's last encodings, its last shard's writes and
+            # commit (engine's last results -> here), and Ray returning the rows (here -> the driver).
+            counters.update(
+                batch_captured_unix=stamps.get("captured_unix"),
+                batch_encoded_unix=stamps.get("encoded_unix"),
+                batch_committed_unix=committed,
+                shard_io=io,
+            )
         engine_stats = json.dumps(counters) if counters else ""
         for r in results:
             r.update(
@@ -158,8 +186,10 @@ class HiddenStateExtractor:
             r["errors_bytes"] = errors_bytes
         return results
 
-    def _capture(self, todo: dict[str, dict], shard: ShardWriter):
-        """Capture, validate and encode every sample (bounded retries); encoded samples go to the shard as they finish."""
+    def _capture(self, todo: dict[str, dict], shard: ShardWriter, stamps: dict):
+        """Capture, validate and encode every sample (bounded retries); encoded samples go to the shard as they
+        finish. `stamps` gets when the last capture came back, when the last sample was encoded, and the
+        seconds this thread waited for the encoders after the last capture."""
         encoding: list[Future] = []
 
         def drain(wait: bool) -> None:
@@ -179,6 +209,7 @@ class HiddenStateExtractor:
             pending = []
             for fut in as_completed(futures):  # each sample is encoded while the others are still being captured
                 res = fut.result()
+                stamps["captured_unix"] = time.time()
                 sid, row = res.key, todo[res.key]
                 reason = res.error or check_capture(
                     res.capture,
@@ -207,7 +238,10 @@ class HiddenStateExtractor:
                     failed[pending[0]],
                 )
                 time.sleep(min(2.0**attempt, 10.0))
+        t0 = time.time()
         drain(wait=True)
+        stamps["encoded_unix"] = time.time()
+        stamps["encode_wait_s"] = stamps["encoded_unix"] - t0
         return failed, latency
 
     def _encode(self, sid: str, row: dict, cap):

@@ -523,7 +523,13 @@ def window(last_run: dict) -> dict:
             "after_last_results_s": round(end - last, 3),
             # ...of which the actor's last encoding and commit, then Ray returning the rows to the driver.
             "last_commit_after_results_s": _since(e.get("batch_committed_unix"), last),
+            # ...the last commit split: its batch's last capture back, its encoders done, its files committed.
+            "last_batch_captured_after_results_s": _since(e.get("batch_captured_unix"), last),
+            "last_batch_encoded_after_results_s": _since(e.get("batch_encoded_unix"), last),
+            "last_batch_commit_s": _since(e.get("batch_committed_unix"), e.get("batch_encoded_unix")),
             "rows_to_driver_s": _since(end, e.get("batch_committed_unix")),
+            # The actor's shard I/O over the run (seconds summed over its batch threads, encoded bytes).
+            "shard_io": e.get("shard_io"),
             "padding": round(e["padded_tokens"] / max(e["real_tokens"], 1) - 1, 4),
             "forwards": e.get("forwards"),
             "us_per_padded_token": us_per_padded_token(e),

@@ -77,6 +77,7 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
         output_url=cfg.output.path,
         retries=cfg.extract.retries,
         encode_threads=cfg.output.encode_threads,
+        row_group_bytes=cfg.output.row_group_mb << 20,
     )
 
 

@@ -54,7 +54,7 @@ class Progress:
                 if text not in parsed:
                     parsed[text] = json.loads(text)
                 stats = parsed[text]
-                if stats.get("forwards", 0) >= a.get("engine", {}).get("forwards", 0):  # batches return out of order
+                if _latest(stats) >= _latest(a.get("engine", {})):  # batches return out of order
                     a["engine"] = stats
             if status == "ok":
                 a["samples"] += 1
@@ -147,3 +147,10 @@ def startup_line(s: dict) -> str:
         parts += [f"engine load {s['engine_load_s']:.1f} s"] if s.get("engine_load_s") is not None else []
         parts += [f"warm-up {s['warm_up_s']:.1f} s"] if s.get("warm_up_s") is not None else []
     return "start-up: " + ", ".join(parts) + " (the engine ready last)" * ("actor_s" in s)
+
+
+def _latest(stats: dict) -> tuple:
+    """How late an engine snapshot is: its forwards, then when its batch committed. Batches that finish after
+    the last forward share the count, and the driver may get their rows in any order; the last committed
+    one's snapshot holds the run's tail and the actor's whole shard I/O."""
+    return stats.get("forwards", 0), stats.get("batch_committed_unix") or 0.0

@@ -15,10 +15,13 @@ and in manifest.json; `open_shards` hides the codec.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,7 +165,18 @@ def build_table(samples: list[EncodedSample], layout: ShardLayout) -> pa.Table:
 
 # A row group is written once this many encoded bytes are waiting: the shard is written while later
 # samples are still being captured and encoded, and memory holds about one row group, not one shard.
-ROW_GROUP_BYTES = 256 << 20
+# What waits when a batch's last capture comes back is written after it, at the disk's pace, while the
+# job is already over for the device: at 256 MB the benchmark mix on an H200 ended 1.33 s after its last
+# forward's results (0.83 s of it the last row group), at 64 MB 0.40 s (0.923 -> 0.939 of the bare
+# engine); the long-tailed mix ended 0.96 s after in both (bench/results/benchmix_sync_behind_h200.json,
+# longtail_sync_behind_h200.json). output.row_group_mb sets it per job.
+ROW_GROUP_BYTES = 64 << 20
+
+
+def _sync_and_drop(fd: int) -> None:
+    getattr(os, "fdatasync", os.fsync)(fd)  # macOS has only fsync
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class ShardWriter:
@@ -170,6 +184,9 @@ class ShardWriter:
 
     The name is decided at commit from the ids written, so the same set of samples always gets the same name.
     """
+
+    # Row groups written but not yet on the disk, at most (local shards): the writer waits past this.
+    SYNCS_AHEAD = 1
 
     def __init__(self, store: Store, layout: ShardLayout, row_group_bytes: int = ROW_GROUP_BYTES):
         self.store, self.layout, self.row_group_bytes = store, layout, row_group_bytes
@@ -179,6 +196,12 @@ class ShardWriter:
         self._pending_bytes = 0
         self._tmp: str | None = None
         self._file = self._writer = None
+        # Seconds this shard spent building row groups, writing them, waiting for the disk (fdatasync) and
+        # committing (close, fsync, rename), and the encoded bytes written: where a run's shard I/O goes.
+        self.timing = {"build_s": 0.0, "write_s": 0.0, "sync_s": 0.0, "commit_s": 0.0}
+        self.flushed_bytes = 0
+        self._syncer: ThreadPoolExecutor | None = None  # local shards: the row groups' fdatasync (_sync_behind)
+        self._syncs: list[Future] = []
 
     def add(self, sample: EncodedSample) -> None:
         self._pending.append(sample)
@@ -189,6 +212,7 @@ class ShardWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
+        t0 = time.monotonic()
         table = build_table(self._pending, self.layout)
         if self._writer is None:
             self._tmp = self.store.stage(SHARD_DIR)
@@ -209,35 +233,70 @@ class ShardWriter:
                 # One hidden-state value per page: a page is limited to 2 GiB, a row group of large values is not.
                 write_batch_size=1,
             )
+        t1 = time.monotonic()
         self._writer.write_table(table, row_group_size=table.num_rows)
+        t2 = time.monotonic()
         if self.store.local:
-            # Each row group goes to the disk as it is written. Left to the page cache, a shard's gigabytes
-            # stay dirty until the commit's fsync writes them all at once: several shards then commit
-            # together at the end of a run and the job waits on the disk while the GPU has nothing left.
-            # Written pages are dropped from the cache too: nothing reads them back from this process.
-            fd = self._file.fileno()
-            getattr(os, "fdatasync", os.fsync)(fd)  # macOS has only fsync
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self._sync_behind()
+        self.timing["build_s"] += t1 - t0
+        self.timing["write_s"] += t2 - t1
+        self.timing["sync_s"] += time.monotonic() - t2
+        self.flushed_bytes += self._pending_bytes
         self.ids += [s.sample_id for s in self._pending]
         self.encoded_bytes += [s.nbytes for s in self._pending]
         self._pending, self._pending_bytes = [], 0
+
+    def _sync_behind(self) -> None:
+        """Send the row group just written to the disk on the shard's syncer thread, and go on.
+
+        Each row group goes to the disk as it is written: left to the page cache, a shard's gigabytes stay
+        dirty until the commit's fsync writes them all at once, several shards then commit together at the end
+        of a run, and the job waits on the disk while the GPU has nothing left. Synced on the writing thread,
+        though, the page cache's copy and the disk's write of a shard take turns: on the H200 host's long-tailed
+        mix the batch threads spent 14.2 s writing and 13.0 s waiting for fdatasync for 18.9 GB, 0.69 GB/s a
+        shard against 0.64 GB/s of encoded output, so a batch alone at the end could not keep up with its
+        captures. Here the disk takes one row group while the next is written (the wait fell to 0.7 s,
+        bench/results/longtail_sync_behind_h200.json); at most SYNCS_AHEAD wait unsynced, which bounds the
+        dirty memory. Written pages are dropped from the cache too: nothing reads them back from this process."""
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(1, thread_name_prefix="shard-sync")
+        self._syncs.append(self._syncer.submit(_sync_and_drop, self._file.fileno()))
+        while len(self._syncs) > self.SYNCS_AHEAD:
+            self._syncs.pop(0).result()  # raises what the disk said (EIO, ENOSPC)
+
+    def _synced(self) -> None:
+        """Every row group written so far is on the disk (and the syncer gone)."""
+        try:
+            while self._syncs:
+                self._syncs.pop(0).result()
+        finally:
+            if self._syncer is not None:
+                self._syncer.shutdown(wait=True)
+                self._syncer = None
 
     def commit(self) -> tuple[str, int]:
         """Write what is left, close and publish; returns (relative name, exact bytes committed), ("", 0) if empty."""
         self._flush()
         if self._writer is None:
             return "", 0
+        t0 = time.monotonic()
+        self._synced()
+        self.timing["sync_s"] += time.monotonic() - t0
+        t0 = time.monotonic()
         self._writer.close()
         self._file.close()
         self._writer = None
         name = shard_name(self.ids)
         self.store.commit_staged(self._tmp, name)
         self._tmp = None
-        return name, self.store.size(name)
+        size = self.store.size(name)
+        self.timing["commit_s"] += time.monotonic() - t0
+        return name, size
 
     def abort(self) -> None:
         """Drop a shard that will not be committed (the temporary is removed; nothing was visible)."""
+        with contextlib.suppress(OSError):  # a disk that failed a sync fails the batch already
+            self._synced()
         if self._writer is not None:
             self._writer.close()
             self._file.close()

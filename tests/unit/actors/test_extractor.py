@@ -8,6 +8,7 @@ from unittest import mock
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import actors.extractor as extractor_module
@@ -210,6 +211,24 @@ def test_an_engine_with_counters_gets_each_batch_stamped_once_its_files_are_comm
     # told into the last commit and Ray's return of the rows.
     assert shard.stat().st_mtime <= stamp["batch_committed_unix"] <= time.time()
     assert stamp["batch_committed_unix"] >= rows[0]["batch_started_unix"]
+    # ...and split: the batch's last capture back, its encoders done, its files committed, in that order.
+    assert rows[0]["batch_started_unix"] <= stamp["batch_captured_unix"] <= stamp["batch_encoded_unix"]
+    assert stamp["batch_encoded_unix"] <= stamp["batch_committed_unix"]
+    io = stamp["shard_io"]  # the actor's shard I/O so far: every encoded hidden-state byte of the shard
+    table = pq.read_table(shard, columns=["aux_hidden_states", "last_hidden_state"])
+    stored = sum(len(v) for c in table.columns for v in c.to_pylist())
+    assert io["bytes"] == stored > 0
+    assert min(io[k] for k in ("encode_wait_s", "build_s", "write_s", "sync_s")) >= 0 and io["commit_s"] > 0
+
+
+def test_row_groups_follow_the_configured_size(tmp_path):
+    """The stage's row-group size reaches its shard writer: a tiny size writes a row group per sample."""
+    with mock.patch.object(extractor_module, "engine_class", lambda name: lambda **_: StandInEngine(2, 0.0)):
+        stage = HiddenStateExtractor("stand-in", {}, LAYOUT, str(tmp_path), retries=1, row_group_bytes=1)
+    rows = stage(batch("g", 4)).to_pylist()
+    stage.close()
+    (name,) = {r["shard"] for r in rows}
+    assert pq.ParquetFile(tmp_path / name).metadata.num_row_groups == 4
 
 
 def test_an_engine_without_counters_sends_none(tmp_path):

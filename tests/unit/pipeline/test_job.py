@@ -129,3 +129,20 @@ def test_rays_timeout_for_starting_actors_names_the_setting_and_the_wait():
     other = ray.exceptions.GetTimeoutError("Get timed out: some object")
     with pytest.raises(ray.exceptions.GetTimeoutError):
         list(_batches_once_engines_start(Results(other), 1260, 2, 600.0))
+
+
+def test_the_row_group_size_is_an_output_setting_in_mb(repo_root):
+    """output.row_group_mb reaches the extractor in bytes (64 MB unless set)."""
+    import types
+
+    from conf import load_config
+    from pipeline.driver.job import extractor_kwargs
+    from pipeline.format.shards import ROW_GROUP_BYTES, ShardLayout
+
+    plan = types.SimpleNamespace(model_dir="m", cuda=False, layout=ShardLayout((1, 2), 8))
+    for overrides, expected in (([], ROW_GROUP_BYTES), (["output.row_group_mb=16"], 16 << 20)):
+        cfg = load_config(repo_root / "conf" / "default.yaml", overrides)
+        assert extractor_kwargs(cfg, plan)["row_group_bytes"] == expected
+    assert ROW_GROUP_BYTES == 64 << 20
+    with pytest.raises(Exception, match="row_group_mb"):
+        load_config(repo_root / "conf" / "default.yaml", ["output.row_group_mb=0"])

@@ -106,6 +106,11 @@ def test_rate_after_engine_start_and_per_actor_shares(clock, monkeypatch):
     p.update_actors(["b:2"], [1000.0], ["error"], [0], [1010.5], [earlier])
     p.update_actors(["b:2"], [1000.0], ["error"], [0], [1012.0], [""])  # an engine without counters
     assert p.actors["b:2"]["engine"] == {"forwards": 9, "idle_s": 1.0}
+    # Batches finishing after the last forward share its count: the one committed last wins, in any order.
+    last = json.dumps({"forwards": 9, "batch_committed_unix": 1015.0})
+    before = json.dumps({"forwards": 9, "batch_committed_unix": 1014.0})
+    p.update_actors(["b:2", "b:2"], [1000.0] * 2, ["error"] * 2, [0, 0], [1011.0] * 2, [last, before])
+    assert p.actors["b:2"]["engine"] == {"forwards": 9, "batch_committed_unix": 1015.0}
     # 300 committed tokens from the first engine up (t=1000) to the last result (t=1020); errors add nothing.
     assert p.tokens_per_second_after_engine_start() == pytest.approx(15.0)
 

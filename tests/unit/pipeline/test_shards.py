@@ -1,5 +1,6 @@
 import json
 import os
+import threading
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -218,19 +219,62 @@ def test_shard_writer_abort_leaves_nothing(tmp_path):
 
 
 def test_shard_writer_flushes_each_row_group_to_the_disk(tmp_path, monkeypatch):
-    """A local shard's row groups reach the disk while it is built, so the commit's fsync finds them written."""
+    """A local shard's row groups reach the disk while it is built (all but the last one written at any
+    time), so the commit's fsync finds them written; the commit publishes only once every one is synced."""
     store = Store(str(tmp_path))
     synced: list[int] = []
     real = os.fdatasync
 
     def fdatasync(fd):
-        synced.append(os.fstat(fd).st_size)  # the file's size when this row group was flushed
         real(fd)
+        synced.append(os.fstat(fd).st_size)  # how much of the file this sync covered
 
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     writer = ShardWriter(store, LAYOUT, row_group_bytes=1)
+    sizes = []
     for s in make_samples(3, seed=5):
         writer.add(s.encoded())
-    assert len(synced) == 3 and synced == sorted(synced) and synced[0] > 0  # one flush per row group, growing
+        sizes.append(os.path.getsize(writer._tmp))
+        assert len(synced) >= len(sizes) - ShardWriter.SYNCS_AHEAD  # the writer is at most one row group ahead
+        assert synced == sorted(synced)
     name, nbytes = writer.commit()
+    assert len(synced) == 3 and synced[-1] == sizes[-1] > 0  # one sync per row group, the last one whole
     assert nbytes == os.path.getsize(store.path(name)) > synced[-1]  # the footer comes at commit
+
+
+def test_shard_writer_writes_the_next_row_group_while_the_disk_takes_the_last(tmp_path, monkeypatch):
+    """The sync runs beside the writer: a flush does not wait for its own row group's sync, only for the one
+    before it (at most SYNCS_AHEAD unsynced); a sync that fails fails the writer and leaves nothing."""
+    store = Store(str(tmp_path))
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def fdatasync(fd):
+        started.release()
+        assert release.wait(10)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    writer = ShardWriter(store, LAYOUT, row_group_bytes=1)
+    a, b = make_samples(2, seed=6)
+    writer.add(a.encoded())  # written; its sync blocks on the syncer thread, not here
+    assert started.acquire(timeout=10)
+    second = threading.Thread(target=writer.add, args=(b.encoded(),))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # the second row group is written, then waits for the first one's sync
+    release.set()
+    second.join(10)
+    assert not second.is_alive()
+    name, _ = writer.commit()
+    assert [r["sample_id"] for r in open_shards(str(tmp_path), as_torch=False)] == [a.sample_id, b.sample_id]
+
+    def failing(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError, match="Input/output"), ShardWriter(store, LAYOUT, row_group_bytes=1) as w:
+        for s in make_samples(2, seed=7):
+            w.add(s.encoded())
+        w.commit()
+    assert list_shards(store) == [name]  # the failed shard left nothing
+    assert os.listdir(store.path("shards")) == [name.split("/")[-1]]
