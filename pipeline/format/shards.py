@@ -254,10 +254,10 @@ class ShardWriter:
         of a run, and the job waits on the disk while the GPU has nothing left. Synced on the writing thread,
         though, the page cache's copy and the disk's write of a shard take turns: on the H200 host's long-tailed
         mix the batch threads spent 14.2 s writing and 13.0 s waiting for fdatasync for 18.9 GB, 0.69 GB/s a
-        shard against 0.64 GB/s of encoded output, so a batch alone at the end could not keep up with its
-        captures. Here the disk takes one row group while the next is written (the wait fell to 0.7 s,
-        bench/results/longtail_sync_behind_h200.json); at most SYNCS_AHEAD wait unsynced, which bounds the
-        dirty memory. Written pages are dropped from the cache too: nothing reads them back from this process."""
+        shard against 0.64 GB/s of encoded output: a batch writing alone barely kept up with its captures.
+        Here the disk takes one row group while the next is written (the wait fell to 0.7 s; the run's tail
+        stayed at ~0.96 s, paced by the writing itself: bench/results/longtail_sync_behind_h200.json); at most
+        SYNCS_AHEAD wait unsynced, which bounds the dirty memory. Written pages are dropped from the cache too: nothing reads them back from this process."""
         if self._syncer is None:
             self._syncer = ThreadPoolExecutor(1, thread_name_prefix="shard-sync")
         self._syncs.append(self._syncer.submit(_sync_and_drop, self._file.fileno()))
