@@ -137,9 +137,9 @@ def main() -> None:
     runs = []
     for max_padding in [float(x) for x in args.max_paddings.split(",")]:
         for min_fill in [float(x) for x in args.min_fills.split(",")]:
+            policy = BatchPolicy(args.max_batch_tokens, max_padding, min_fill)
             for head in args.head_batches.split(","):
                 k = args.prompts if head == "all" else int(head)
-                policy = BatchPolicy(args.max_batch_tokens, max_padding, min_fill)
                 per_seed = [
                     simulate(draws[s], args.batch_size, args.calls, policy, **cost, head_batches=k) for s in seeds
                 ]
@@ -169,7 +169,10 @@ def main() -> None:
             r["max_padding"],
             r["min_fill"],
             r["head_batches"],
-            [(p["padding"], p["forwards"], p["batches_completing_in_last_3_forwards"]) for p in r["per_seed"]],
+            [
+                (p["padding"], p["forwards"], p["batches_completing_in_last_3_forwards"], p.get("tok_s"))
+                for p in r["per_seed"]
+            ],
         )
     print("bare pattern", [(p["padding"], p["forwards"], p.get("tok_s")) for p in bare])
 
