@@ -16,8 +16,9 @@
    a plain transformers loop (bench/bare_hf.plain_loop: length-sorted batches, right-padded, one forward
    after another; --no-plain skips it) and
    bare: bench/bare_hf.BareHFEngine (the hf engine, nothing kept) on the same prompts, every prompt submitted at once (so
-   its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens and each fill
-   floor (the engine's default and the measured one), best of --passes passes over the same prompts; the
+   its batches are as well sorted as they can be), after a warm-up, for each max_batch_tokens and each setting
+   (packed forwards where the model packs; padded rows at the engine's fill floor and at the measured one),
+   best of --passes passes over the same prompts; the
    baseline is the best of all. Beside each rate: the device's
    microseconds per padded token (its forwards' own clock), the number to set against the job's.
 4. job: `python -m pipeline.cli run` with engine.name=hf, the best max_batch_tokens, num_actors = each of
@@ -149,9 +150,10 @@ def us_per_padded_token(engine_stats: dict) -> float | None:
     return round(1e6 * dev / padded, 2) if dev and padded else None
 
 
-# The bare engine's fill floors swept beside max_batch_tokens: the engine's default and the measured one, so the
+# The bare engine's settings swept beside max_batch_tokens: packed forwards (the engine's default where the model
+# packs, actors/hf/packing.py), and padded rows at the engine's padded fill floor and at the measured one, so the
 # baseline is the bare engine at its best whichever suits it (actors/hf/engine.py, CUDA_FILL_FLOOR).
-BARE_FILL_FLOORS = (None, "measured")
+BARE_SETTINGS = (("packed", None), ("padded", None), ("padded", "measured"))
 
 
 def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: str, passes: int = 1) -> dict:
@@ -165,11 +167,14 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
     rates, stats, every, sizes = {}, {}, {}, {}
     try:
         eng.capture([(f"w{i}", p) for i, p in enumerate(prompts[:64])])  # warm-up: kernels, allocator
-        default_floor = eng.fill_floor
-        for b, floor in ((b, f) for b in sweep for f in BARE_FILL_FLOORS):
+        default_floor, packs = eng.fill_floor, eng.packed
+        for b, (rows, floor) in ((b, s) for b in sweep for s in BARE_SETTINGS):
+            if rows == "packed" and not packs:
+                continue
             eng.max_batch_tokens = b
+            eng.packed = rows == "packed"
             eng.fill_floor = default_floor if floor is None else None  # None on the engine: measured
-            setting = f"{b}" if floor is None else f"{b}/fill_floor={floor}"
+            setting = f"{b}/packed" if rows == "packed" else f"{b}" if floor is None else f"{b}/fill_floor={floor}"
             sizes[setting] = b
             for k in range(passes):  # the same prompts again: the engine at its best, not its first pass
                 eng.reset_stats()

@@ -103,6 +103,17 @@ class HFEngineConfig(_EngineBase):
     # GPU, every forward filled; 1/8 on a CPU, where padding is all cost); "measured": set on a GPU from the
     # host's launch time and the device's time per token (actors/hf/batching.py, FillFloor).
     fill_floor: float | Literal["measured"] | None = None
+    # Packed forwards: the requests end to end in one row, each attending only to itself (no padding;
+    # actors/hf/packing.py). auto: on a GPU wherever the model's attention allows it and a packed forward
+    # matches a padded one at start, padded otherwise (logged); on: the same, but an engine that cannot pack
+    # fails at start; off: padded rows (fill_floor then applies). A CPU packs only when asked (on).
+    packing: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("packing", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v):
+        # YAML reads a bare on/off as true/false.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("fill_floor")
     @classmethod

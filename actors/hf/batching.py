@@ -105,3 +105,22 @@ def take_batch(pool: list[R], policy: BatchPolicy) -> list[R]:
     taken = {id(r) for r in batch}
     pool[:] = [r for r in pool if id(r) not in taken]
     return batch
+
+
+def take_packed(pool: list[R], max_batch_tokens: int) -> list[R]:
+    """Next packed forward (no padding): the oldest caller batch's requests longest first, then the next
+    batch's, each taken where it still fits in max_batch_tokens, so a forward is the oldest work that fills it
+    (first-fit decreasing within a batch: the short ones fill what the long ones leave). A request longer than
+    the budget runs alone. The taken requests leave `pool` (in place)."""
+    batch: list[R] = []
+    room = max_batch_tokens
+    for r in sorted(pool, key=lambda r: (r.order, -len(r.ids))):
+        n = len(r.ids)
+        if n <= room or not batch:
+            batch.append(r)
+            room -= n
+            if room <= 0:
+                break
+    taken = {id(r) for r in batch}
+    pool[:] = [r for r in pool if id(r) not in taken]
+    return batch

@@ -15,10 +15,13 @@ near tie that bf16 rounding may flip, and how much a flip there may move the tok
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
 import numpy as np
+
+from actors.hf import packing
 
 logger = logging.getLogger(__name__)
 
@@ -187,26 +190,48 @@ class Decoder:
 
         return hook
 
-    def forward(self, sequences: list[list[int]], keep: bool, pin: bool = False) -> np.ndarray:
-        """One forward of the sequences right-padded to the first (the longest); returns the padded ids.
+    def pack(self) -> str | None:
+        """Lets forward(packed=True) run; returns why it cannot for this model (and then changes nothing).
 
-        Without an attention mask: under causal attention a real token only sees earlier positions, which
-        are all real, so its states are exactly those of the unpadded sequence. `keep`: the hooked outputs
-        wait in `outputs()`. `pin`: the ids go up from pinned memory, so the copy queues behind the device's
-        earlier work instead of waiting for it to go idle."""
+        The model's attention becomes packing.PACKED, which outside a packed forward is the library's sdpa
+        function: padded forwards run as before."""
+        if self.attn_implementation != "sdpa":
+            return f"attention {self.attn_implementation!r}, not sdpa"
+        why = packing.refusal(self.base.config)
+        if why is None:
+            packing.register()
+            self.base.set_attn_implementation(packing.PACKED)
+        return why
+
+    def forward(self, sequences: list[list[int]], keep: bool, pin: bool = False, packed: bool = False) -> np.ndarray:
+        """One forward; returns the ids it ran: [B, T] right-padded to the first (the longest) sequence, or
+        with `packed` (after pack()) [1, N], the sequences end to end (actors/hf/packing.py).
+
+        Padded, without an attention mask: under causal attention a real token only sees earlier positions,
+        which are all real, so its states are exactly those of the unpadded sequence. `keep`: the hooked
+        outputs wait in `outputs()`. `pin`: the ids go up from pinned memory, so the copy queues behind the
+        device's earlier work instead of waiting for it to go idle."""
         import torch
 
-        ids = np.zeros((len(sequences), len(sequences[0])), dtype=np.int64)
-        for row, seq in enumerate(sequences):
-            ids[row, : len(seq)] = seq
+        if packed:
+            ids = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences])[None, :]
+            positions = np.concatenate([np.arange(len(s), dtype=np.int64) for s in sequences])[None, :]
+            spans = packing.Spans.of([len(s) for s in sequences], self.device)
+        else:
+            ids = np.zeros((len(sequences), len(sequences[0])), dtype=np.int64)
+            for row, seq in enumerate(sequences):
+                ids[row, : len(seq)] = seq
+            positions, spans = None, None
         self._keeping = keep
         _unpacked.active = True
         try:
-            with torch.inference_mode():
-                host_ids = torch.from_numpy(ids)
+            with torch.inference_mode(), packing.active(spans) if packed else contextlib.nullcontext():
+                tensors = [torch.from_numpy(a) for a in (ids, positions) if a is not None]
                 if pin:
-                    host_ids = host_ids.pin_memory()
-                self.base(input_ids=host_ids.to(self.device, non_blocking=True), use_cache=False)
+                    tensors = [t.pin_memory() for t in tensors]
+                tensors = [t.to(self.device, non_blocking=True) for t in tensors]
+                position_ids = tensors[1] if packed else None
+                self.base(input_ids=tensors[0], position_ids=position_ids, use_cache=False)
         finally:
             self._keeping = False
             _unpacked.active = False

@@ -50,10 +50,10 @@ import numpy as np
 
 from actors.dump import Capture, CaptureHeader
 from actors.engine import EngineDied, RequestResult
-from actors.hf.batching import BatchPolicy, FillFloor, take_batch
+from actors.hf.batching import BatchPolicy, FillFloor, take_batch, take_packed
 from actors.hf.decoder import Decoder
 from actors.hf.pinned import PinnedSlabs
-from actors.hf.staging import TritonStager, body_per_token, plane_offsets, stage_fp8, stage_torch
+from actors.hf.staging import TritonStager, body_per_token, padded_starts, plane_offsets, stage_fp8, stage_torch
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class _Staged:
     (K*H, H). On CUDA `planes` and `nonfinite` are device tensors until the finisher has copied them."""
 
     batch: list[_Request]
-    ids: np.ndarray  # the padded ids the forward ran
+    ids: np.ndarray  # the ids the forward ran: [B, T] padded rows or [1, N] packed
+    starts: np.ndarray | None = None  # request i's first position in ids.reshape(-1) (None: padded rows)
     planes: object = None
     offsets: np.ndarray | None = None
     nonfinite: object = None
@@ -84,6 +85,13 @@ class _Staged:
 def _ids_sha256(ids: np.ndarray) -> str:
     # The same digest the SGLang hook publishes: sha256 over the int32 ids the forward really ran.
     return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest()
+
+
+def _request_starts(lengths: list[int], shape: tuple[int, ...], packed: bool) -> np.ndarray:
+    """Each request's first position in a forward's [B*T] positions: end to end when packed, else row * T."""
+    if packed:
+        return np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
+    return padded_starts(shape[0], shape[1])
 
 
 FORWARD_LOG_ENV = "HIDDEN_HARVEST_FORWARD_LOG"
@@ -146,6 +154,7 @@ class HFEngine:
             "max_batch_tokens": cfg.max_batch_tokens,
             "cpu_threads": cpu_threads,
             "fill_floor": cfg.fill_floor,
+            "packing": cfg.packing,
         }
 
     @classmethod
@@ -176,9 +185,12 @@ class HFEngine:
         final_layer: str = "post_norm",
         capture_layout: str = "planes",
         fill_floor: float | str | None = None,
+        packing: str = "auto",
     ):
         if capture_layout not in ("planes", "fp8"):
             raise ValueError(f"capture_layout {capture_layout!r}: planes or fp8")
+        if packing not in ("auto", "on", "off"):
+            raise ValueError(f"packing {packing!r}: auto, on or off")
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
@@ -197,6 +209,8 @@ class HFEngine:
         else:
             self.fill_floor = float(fill_floor)
         self._floor = FillFloor(max_batch_tokens)
+        self.packing = packing
+        self.packed = False  # decided in start(): packed forwards where asked for and checked (_pack)
         self.cpu_threads = cpu_threads
         self.warmup = warmup  # None: on CUDA only (see _warm_up)
         self._pending: list[_Request] = []
@@ -247,6 +261,7 @@ class HFEngine:
             torch.set_num_threads(self.cpu_threads)
         t0 = time.monotonic()
         self.decoder.load()
+        self.packed = self._pack()
         if self.cuda:
             # One kernel launch per layer instead of a few hundred small torch ops on the forward thread
             # (actors/hf/staging.py); checked against the torch ops here, and they stay where it does not match.
@@ -323,7 +338,13 @@ class HFEngine:
                 f"engine.max_batch_tokens={self.max_batch_tokens} does not fit on {self.device}: a forward of {n} x {length} "
                 f"tokens ran out of memory; lower engine.max_batch_tokens"
             )
-        if self.cuda:
+        if self.cuda and self.packed:
+            logger.info(
+                "hf engine: packed forwards of %d tokens, the device runs %.1f us a token",
+                self.max_batch_tokens,
+                1e6 * self.timing["device_forward"] / max(self.padded_tokens, 1),
+            )
+        elif self.cuda:
             per_token = self.timing["device_forward"] / max(self.padded_tokens, 1)
             launch = self._launch_seconds()
             # Its forwards (the full one, the small ones) were observed as they finished (_device_time).
@@ -335,6 +356,76 @@ class HFEngine:
                 self.min_fill * self.max_batch_tokens,
             )
         self.reset_stats()
+
+    # A packed forward's states differ from a padded one's by kernel rounding (bf16, other matmul shapes,
+    # another attention kernel), as a padded row's differ between batches. The check at start allows the
+    # larger of this and CHECK_NOISE_FACTOR times what batching alone moves the same sequences; a packed
+    # forward that lets sequences see each other is off by ~1 (0.92 on the default model, where packing
+    # and batching both move states by 0.02, relative L2 per sequence and kept layer).
+    PACKED_TOLERANCE = 0.05
+    CHECK_NOISE_FACTOR = 4
+    PACK_CHECK_LENGTHS = (37, 1, 100, 64)  # a single token, lengths off any tile
+
+    def _pack(self) -> bool:
+        """Whether forwards run packed (engine.packing): where asked for (auto: on CUDA), the model's attention
+        allows it and a packed forward of a few sequences gives each the states its padded row gives."""
+        if self.packing == "off" or (self.packing == "auto" and not self.cuda):
+            return False
+        why = self.decoder.pack() or self._check_packing()
+        if why is None:
+            logger.info("hf engine: packed forwards (no padding)")
+            return True
+        if self.decoder.attn_implementation == "sdpa":
+            self.decoder.base.set_attn_implementation("sdpa")
+        if self.packing == "on":
+            raise RuntimeError(f"engine.packing=on: {self.model_dir} cannot run packed forwards: {why}")
+        logger.warning("hf engine: padded forwards: %s cannot run packed: %s", self.model_dir, why)
+        return False
+
+    def _kept(self, seqs: list[list[int]], packed: bool = False) -> list[list]:
+        """One forward of `seqs` (padded rows: longest first); each sequence's kept states, float, per layer."""
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i])) if not packed else list(range(len(seqs)))
+        self.decoder.forward([seqs[i] for i in order], keep=True, packed=packed)
+        aux, last = self.decoder.outputs()
+        layers = [x.float() for x in [*aux, last]]
+        starts = _request_starts([len(seqs[i]) for i in order], layers[0].shape[:2], packed)
+        flat = [x.reshape(-1, x.shape[-1]) for x in layers]
+        out: list[list] = [[] for _ in seqs]
+        for pos, i in enumerate(order):
+            out[i] = [x[int(starts[pos]) : int(starts[pos]) + len(seqs[i])] for x in flat]
+        return out
+
+    def _check_packing(self) -> str | None:
+        """None where a packed forward's kept states match the padded forward's for every sequence and layer
+        (within PACKED_TOLERANCE or CHECK_NOISE_FACTOR times batching's own noise), else what differed. Runs
+        on the caller's thread before the worker starts."""
+        import torch
+
+        def distance(a: list, b: list) -> float:
+            ds = [float(torch.linalg.vector_norm(x - y) / (torch.linalg.vector_norm(y) + 1e-6)) for x, y in zip(a, b)]
+            return max(ds, key=lambda d: np.inf if d != d else d)  # NaN counts as the worst
+
+        gen = np.random.default_rng(0)
+        seqs = [gen.integers(0, self.vocab_size, n).tolist() for n in self.PACK_CHECK_LENGTHS]
+        try:
+            padded = self._kept(seqs)
+            noise = max(distance(self._kept([s])[0], want) for s, want in zip(seqs, padded))
+        except Exception as e:  # noqa: BLE001 - the padded forward is the engine's own; let start() say so
+            self.decoder.discard()
+            raise RuntimeError(f"hf engine: a padded forward failed at start: {e}") from e
+        try:
+            packed = self._kept(seqs, packed=True)
+        except Exception as e:  # noqa: BLE001 - anything the packed path cannot run means padded forwards
+            self.decoder.discard()
+            return f"{type(e).__name__}: {e}"
+        diff = max(distance(got, want) for got, want in zip(packed, padded))
+        allowed = max(self.PACKED_TOLERANCE, self.CHECK_NOISE_FACTOR * noise)
+        if diff <= allowed:
+            return None
+        return (
+            f"a packed forward's states differ from the padded forward's by {diff:.3g} (relative L2), more than "
+            f"the {allowed:.3g} allowed (batching alone moves them by {noise:.3g})"
+        )
 
     def _launch_seconds(self, length: int = 256) -> float:
         """The host's time to launch one small forward (the best of two, each alone): on CUDA nothing in a
@@ -370,6 +461,7 @@ class HFEngine:
             "forwards": self.batches,
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
+            "packed": self.packed,
             "staging": "triton" if isinstance(self._stager, TritonStager) else f"torch ({self.capture_layout})",
             **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
             **({"lead_under_a_layer": self.lead_under_a_layer} if self.cuda else {}),
@@ -476,7 +568,7 @@ class HFEngine:
         return hook
 
     def _take(self, pool: list[_Request]) -> list[_Request]:
-        return take_batch(pool, self.policy)
+        return take_packed(pool, self.max_batch_tokens) if self.packed else take_batch(pool, self.policy)
 
     def _forward(self, batch: list[_Request]) -> np.ndarray:
         self.batches += 1
@@ -484,7 +576,7 @@ class HFEngine:
             self.first_forward_unix = time.time()
         # Pinned on CUDA: from pageable memory CUDA would first wait for the device to go idle, and the next
         # forward could only be launched once the GPU had run dry.
-        ids = self.decoder.forward([r.ids for r in batch], keep=self._keeps, pin=self.cuda)
+        ids = self.decoder.forward([r.ids for r in batch], keep=self._keeps, pin=self.cuda, packed=self.packed)
         self.padded_tokens += ids.size
         self.real_tokens += sum(len(r.ids) for r in batch)
         return ids
@@ -555,12 +647,13 @@ class HFEngine:
         aux, last = self.decoder.outputs()
         h = last.shape[-1]
         lengths = [len(r.ids) for r in batch]
+        starts = _request_starts(lengths, ids.shape, self.packed)
         offsets = plane_offsets(lengths, len(aux) + 1, h, self.capture_layout)
         planes = torch.empty(int(offsets[-1]), dtype=torch.uint8, device=last.device)
         bad = torch.zeros(last.shape[:2], dtype=torch.int32, device=last.device)
-        self._stager([*aux, last], lengths, offsets, planes, bad)
+        self._stager([*aux, last], lengths, starts, offsets, planes, bad)
         del aux, last
-        staged = _Staged(batch, ids, planes, offsets, bad, (len(self.aux_layers) * h, h))
+        staged = _Staged(batch, ids, starts, planes, offsets, bad, (len(self.aux_layers) * h, h))
         if not self.cuda:
             staged.planes, staged.nonfinite = planes.numpy(), bad.numpy()
         else:
@@ -694,14 +787,16 @@ class HFEngine:
         w, h = staged.widths
         now = time.monotonic()
         self.last_done_unix = time.time()
+        starts = staged.starts if staged.starts is not None else padded_starts(*staged.ids.shape)
+        ids, nonfinite = staged.ids.reshape(-1), staged.nonfinite.reshape(-1)
         for row, r in enumerate(staged.batch):
-            n = len(r.ids)
+            n, a = len(r.ids), int(starts[row])
             header = CaptureHeader(
                 rid=r.key,
                 num_tokens=n,
                 prefix_len=0,
-                ids_sha256=_ids_sha256(staged.ids[row, :n]),
-                nonfinite=int(staged.nonfinite[row, :n].sum()),
+                ids_sha256=_ids_sha256(ids[a : a + n]),
+                nonfinite=int(nonfinite[a : a + n].sum()),
                 aux_shape=(n, w),
                 last_shape=(n, h),
                 source_dtype=self.dtype,

@@ -1,10 +1,12 @@
-"""Staging: a padded batch's captured states laid out as each request's codec byte planes, on the device.
+"""Staging: a forward's captured states laid out as each request's codec byte planes, on the device.
 
-A forward's states are, per captured layer, a padded tensor [B, T, H] in bf16. What the host needs is, per
-request of n real tokens, one contiguous body: the aux planes [2, K*H, n] (low bytes of every channel, then
+A forward's states are, per captured layer, a tensor [B, T, H] in bf16: B padded rows of T positions, or one
+packed row of the requests end to end (actors/hf/packing.py). Either way request i's n_i tokens are the
+positions starts[i] .. starts[i] + n_i of the rows read as one [B*T, H] run (padded: starts[i] = i*T). What the
+host needs is, per request, one contiguous body: the aux planes [2, K*H, n] (low bytes of every channel, then
 the high bytes; aux layer k holds channels k*H .. (k+1)*H), then the final layer's planes [2, H, n] (the
-layout of `pipeline.format.codec.to_planes`, which a SGLang dump also carries). Alongside it, per position of the
-padded batch, how many of its values are not finite; the host sums those over each request's real tokens.
+layout of `pipeline.format.codec.to_planes`, which a SGLang dump also carries). Alongside it, per position
+([B, T] int32), how many of its values are not finite; the host sums those over each request's tokens.
 
 Two implementations with the same output:
 - `stage_torch`: torch ops, on any device. One transpose per layer, then one copy per request and layer:
@@ -36,6 +38,11 @@ def body_per_token(layers: int, hidden: int, layout: str = "planes") -> int:
     return 2 * layers * hidden if layout == "planes" else layers * (4 + hidden)
 
 
+def padded_starts(rows: int, length: int) -> np.ndarray:
+    """Request i's first position in a padded forward's [B*T] positions: i*T."""
+    return np.arange(rows, dtype=np.int64) * length
+
+
 def plane_offsets(lengths: list[int], layers: int, hidden: int, layout: str = "planes") -> np.ndarray:
     """Where each request's body starts in the staging buffer, and its end ([B + 1], int64)."""
     per_token = body_per_token(layers, hidden, layout)
@@ -55,30 +62,32 @@ def fp8_scale_torch(amax):
     return torch.where(amax > 0, up, torch.ones_like(up))
 
 
-def stage_fp8(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
+def stage_fp8(layers, lengths: list[int], starts: np.ndarray, offsets: np.ndarray, staging, bad) -> None:
     """`stage_torch` for an fp8 output: each request's body is the codec's fp8 layout (pipeline/format/codec.py):
     the aux column's float32 scales [K, n] and e4m3 values [K*H, n], then the final layer's scales [1, n] and
     values [H, n]; one scale per token per layer (amax / 448 rounded up to a bf16 value, as
     `pipeline.format.codec.fp8_scale`; 1 for an all-zero row). The quantization runs
-    on the states' device, over the whole padded batch a layer at a time; padded positions are never copied."""
+    on the states' device, over every position a layer at a time; padded positions are never copied."""
     import torch
 
     *aux, last = layers
     h, k = last.shape[-1], len(aux)
+    counts = bad.view(-1)
     for states in layers:
-        bad += (~torch.isfinite(states)).sum(-1, dtype=torch.int32)
+        counts += (~torch.isfinite(states.reshape(-1, h))).sum(-1, dtype=torch.int32)
     for li, states in enumerate(layers):
-        amax = states.abs().amax(-1).float()  # [B, T]; exact in bf16
+        flat = states.reshape(-1, h)
+        amax = flat.abs().amax(-1).float()  # [P]; exact in bf16
         scale = fp8_scale_torch(amax)
         # In float32, as the codec's reference (a bf16 quotient would round twice). Clamped: torch's cast to
         # e4m3fn does not saturate (an infinite input would become NaN).
-        x = states.float() / scale.unsqueeze(-1)
+        x = flat.float() / scale.unsqueeze(-1)
         q = x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        channels = q.transpose(1, 2).contiguous()  # [B, H, T]: each request's values are then whole rows
-        scale_bytes = scale.contiguous().view(torch.uint8).view(*scale.shape, 4)  # float32 as its 4 bytes
+        channels = q.t().contiguous()  # [H, P]: each request's values are then whole rows
+        scale_bytes = scale.contiguous().view(torch.uint8).view(-1, 4)  # float32 as its 4 bytes
         del x, q
-        for row, n in enumerate(lengths):
-            o = int(offsets[row])
+        for i, n in enumerate(lengths):
+            o, a = int(offsets[i]), int(starts[i])
             if li < k:  # aux: scales [K, n] (as bytes [K, 4n]), then values [K*H, n]; layer li is row li / rows li*H..
                 scales, values = (
                     staging[o : o + 4 * k * n].view(k, 4 * n)[li],
@@ -88,34 +97,36 @@ def stage_fp8(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> 
             else:
                 at = o + (4 + h) * k * n
                 scales, values = staging[at : at + 4 * n], staging[at + 4 * n : at + (4 + h) * n].view(h, n)
-            scales.copy_(scale_bytes[row, :n].reshape(-1))
-            values.copy_(channels[row, :, :n])
+            scales.copy_(scale_bytes[a : a + n].reshape(-1))
+            values.copy_(channels[:, a : a + n])
         del channels, scale, scale_bytes
 
 
-def stage_torch(layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
-    """Fills `staging` (uint8, offsets[-1] bytes) with every request's planes and adds each padded
-    position's non-finite count over `layers` (aux..., last; each [B, T, H] bf16) into `bad` (int32 [B, T])."""
+def stage_torch(layers, lengths: list[int], starts: np.ndarray, offsets: np.ndarray, staging, bad) -> None:
+    """Fills `staging` (uint8, offsets[-1] bytes) with every request's planes and adds each position's
+    non-finite count over `layers` (aux..., last; each [B, T, H] bf16) into `bad` (int32 [B, T]); request i
+    is positions starts[i] .. starts[i] + lengths[i] of the [B*T] run."""
     import torch
 
     *aux, last = layers
     h = last.shape[-1]
     w = len(aux) * h
+    counts = bad.view(-1)
     for states in layers:
-        bad += (~torch.isfinite(states)).sum(-1, dtype=torch.int32)
+        counts += (~torch.isfinite(states.reshape(-1, h))).sum(-1, dtype=torch.int32)
     for k, states in enumerate(layers):
-        # One transpose per layer for the whole padded batch, [B, T, H] -> [B, H, T] as int16 (the bf16
-        # bits), so each request's planes are then a copy of whole rows, and one layer's copy alive at a
-        # time (faster than splitting bytes token by token: bench/results/stage_gpu.json).
-        channels = states.view(torch.int16).transpose(1, 2).contiguous()
-        for row, n in enumerate(lengths):
-            o = int(offsets[row])
+        # One transpose per layer for every position, [B*T, H] -> [H, B*T] as int16 (the bf16 bits), so each
+        # request's planes are then a copy of whole rows, and one layer's copy alive at a time (faster than
+        # splitting bytes token by token: bench/results/stage_gpu.json).
+        channels = states.reshape(-1, h).view(torch.int16).t().contiguous()
+        for i, n in enumerate(lengths):
+            o, a = int(offsets[i]), int(starts[i])
             if k < len(aux):  # aux planes [2, W, n]: layer k holds channels k*H .. (k+1)*H
                 planes = staging[o : o + 2 * n * w].view(2, w, n)[:, k * h : (k + 1) * h]
             else:
-                planes = staging[o + 2 * n * w : int(offsets[row + 1])].view(2, h, n)
+                planes = staging[o + 2 * n * w : int(offsets[i + 1])].view(2, h, n)
             # int16 [H, n] read as its bytes [H, n, 2] (low byte first) -> planes [2, H, n]
-            planes.copy_(channels[row, :, :n].unsqueeze(-1).view(torch.uint8).permute(2, 0, 1))
+            planes.copy_(channels[:, a : a + n].unsqueeze(-1).view(torch.uint8).permute(2, 0, 1))
         del channels
 
 
@@ -132,15 +143,13 @@ def _build_kernel():
 
     # Sizes that change from forward to forward are not specialized on (divisibility by 16): each new
     # specialization is a compile, on the forward thread, in the middle of a job.
-    @triton.jit(do_not_specialize=["stride_b", "stride_t", "stride_bad", "H", "W", "col0"])
+    @triton.jit(do_not_specialize=["stride_t", "H", "W", "col0"])
     def planes_kernel(
         src,
-        stride_b,
         stride_t,
         dst,
         meta,
         bad,
-        stride_bad,
         H,
         W,
         col0,
@@ -148,19 +157,19 @@ def _build_kernel():
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
-        # One program: row b, tokens t0 .. t0+BLOCK_T, channels c0 .. c0+BLOCK_H of one layer.
+        # One program: request b, its tokens t0 .. t0+BLOCK_T, channels c0 .. c0+BLOCK_H of one layer.
         b = tl.program_id(0)
-        start = tl.load(meta + 2 * b)  # int64: the request's first byte in dst
-        n = tl.load(meta + 2 * b + 1)  # int64: its real tokens
+        start = tl.load(meta + 3 * b)  # int64: the request's first byte in dst
+        n = tl.load(meta + 3 * b + 1)  # int64: its tokens
+        first = tl.load(meta + 3 * b + 2)  # int64: its first position in src's [B*T] positions
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         c = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
         keep = (t < n)[:, None] & (c < H)[None, :]
-        x = tl.load(
-            src + b.to(tl.int64) * stride_b + t[:, None].to(tl.int64) * stride_t + c[None, :], mask=keep, other=0
-        )
+        pos = first + t.to(tl.int64)
+        x = tl.load(src + pos[:, None] * stride_t + c[None, :], mask=keep, other=0)
         # bf16 bits as int16: not finite when the exponent bits (0x7F80) are all set.
         bad_count = tl.sum((((x & 0x7F80) == 0x7F80) & keep).to(tl.int32), axis=1)
-        tl.atomic_add(bad + b.to(tl.int64) * stride_bad + t, bad_count, mask=t < n)
+        tl.atomic_add(bad + pos, bad_count, mask=t < n)
         if LAST:  # after the aux planes [2, W, n]: planes [2, H, n]
             base = start + 2 * n * W
             width = H
@@ -186,32 +195,32 @@ class TritonStager:
     def __init__(self):
         self.kernel = _build_kernel()
 
-    def __call__(self, layers, lengths: list[int], offsets: np.ndarray, staging, bad) -> None:
+    def __call__(self, layers, lengths: list[int], starts: np.ndarray, offsets: np.ndarray, staging, bad) -> None:
         import torch
 
         *aux, last = layers
-        b, t, h = last.shape
+        h = last.shape[-1]
         w = len(aux) * h
-        # (first byte, tokens) per request, copied up from pinned memory behind the forward: no host wait.
-        meta = torch.from_numpy(np.stack([offsets[:-1], np.asarray(lengths, dtype=np.int64)], axis=1).astype(np.int64))
+        # (first byte, tokens, first position) per request, copied up from pinned memory behind the forward:
+        # no host wait.
+        meta = np.stack([offsets[:-1], np.asarray(lengths, dtype=np.int64), np.asarray(starts, dtype=np.int64)], axis=1)
+        meta = torch.from_numpy(np.ascontiguousarray(meta, dtype=np.int64))
         if staging.is_cuda:
             meta = meta.pin_memory().to(staging.device, non_blocking=True)
-        grid = (b, -(-t // self.BLOCK_T), -(-h // self.BLOCK_H))
+        grid = (len(lengths), -(-max(lengths) // self.BLOCK_T), -(-h // self.BLOCK_H))
         # Triton launches on the current device, torch ops on their tensors' (an engine on cuda:1 with the
         # thread's current device 0 would hand one device's pointers to the other).
         with torch.cuda.device(staging.device) if staging.is_cuda else contextlib.nullcontext():
             for k, states in enumerate(layers):
-                bits = states.view(torch.int16)
+                bits = states.view(torch.int16).reshape(-1, h)  # [B*T, H]; a copy only where rows are strided
                 if bits.stride(-1) != 1:
                     bits = bits.contiguous()
                 self.kernel[grid](
                     bits,
                     bits.stride(0),
-                    bits.stride(1),
                     staging,
                     meta,
                     bad,
-                    bad.stride(0),
                     h,
                     w,
                     k * h,
@@ -236,17 +245,21 @@ class TritonStager:
             layers[1][3, 66, 0] = float("-inf")  # past the request's end: not counted, not copied
             layers = [x.to(device) for x in layers]
             offsets = plane_offsets(lengths, k + 1, h)
-            out = []
-            for fill in (stage_torch, stager):
-                staging = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=device)
-                bad = torch.zeros((b, t), dtype=torch.int32, device=device)
-                fill(layers, lengths, offsets, staging, bad)
-                out.append((staging.cpu(), [int(bad[r, :n].sum()) for r, n in enumerate(lengths)]))
-            (want, want_bad), (got, got_bad) = out
-            if not torch.equal(want, got) or want_bad != got_bad:
-                raise AssertionError(
-                    f"bytes equal: {torch.equal(want, got)}, non-finite counts {got_bad} (want {want_bad})"
-                )
+            # The same requests packed end to end in one row (a packed forward's layout).
+            packed = [torch.cat([x[r, :n] for r, n in enumerate(lengths)])[None] for x in layers]
+            packed_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            for states, starts in ((layers, padded_starts(b, t)), (packed, packed_starts)):
+                out = []
+                for fill in (stage_torch, stager):
+                    staging = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=device)
+                    bad = torch.zeros(states[0].shape[:2], dtype=torch.int32, device=device).view(-1)
+                    fill(states, lengths, starts, offsets, staging, bad)
+                    out.append((staging.cpu(), [int(bad[a : a + n].sum()) for a, n in zip(starts, lengths)]))
+                (want, want_bad), (got, got_bad) = out
+                if not torch.equal(want, got) or want_bad != got_bad:
+                    raise AssertionError(
+                        f"bytes equal: {torch.equal(want, got)}, non-finite counts {got_bad} (want {want_bad})"
+                    )
         except Exception as e:  # noqa: BLE001 - any failure means the torch staging, which is always right
             logger.warning(
                 "staging with torch ops (a few hundred small ops per forward): the Triton kernel is not usable here: %s: %s",

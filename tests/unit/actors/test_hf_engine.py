@@ -28,6 +28,19 @@ def engine(model_dir):
         yield eng
 
 
+@pytest.fixture(scope="module")
+def packed_engine(model_dir):
+    with HFEngine(str(model_dir), AUX, max_batch_tokens=4096, cpu_threads=2, packing="on") as eng:
+        assert eng.packed
+        yield eng
+
+
+@pytest.fixture(params=["padded", "packed"])
+def any_engine(request):
+    """The engine with padded rows, then with packed ones (actors/hf/packing.py): the same contract."""
+    return request.getfixturevalue("engine" if request.param == "padded" else "packed_engine")
+
+
 def _submit_together(eng: HFEngine, requests: list[tuple[str, list[int]]], order: float = 0.0) -> dict:
     """Every request is waiting before the worker takes any (the worker needs the lock to take)."""
     with eng._cv:
@@ -87,15 +100,18 @@ def test_pre_norm_captures_are_the_last_layers_output_and_our_norm_of_them_is_th
     assert ShardLayout(AUX, 576, final_norm=norm).final_layer == "pre_norm"
 
 
-def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir, references):
+def test_mixed_lengths_run_batched_and_padding_is_never_stored(any_engine, model_dir, references):
+    engine = any_engine
     h = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
     rng = np.random.default_rng(1)
     lengths = [3, 70, 12, 41, 1, 70, 29]
     reqs = [(f"r{i}", rng.integers(0, engine.vocab_size, size=n).tolist()) for i, n in enumerate(lengths)]
-    before = engine.batches
+    before, padded_before = engine.batches, engine.padded_tokens
     res = _submit_together(engine, reqs)
     forwards = engine.batches - before
     assert forwards < len(reqs), f"{len(reqs)} requests of mixed lengths ran in {forwards} forwards"
+    if engine.packed:  # one row of every request end to end: nothing padded
+        assert forwards == 1 and engine.padded_tokens - padded_before == sum(lengths)
     for key, ids in reqs:
         cap = res[key].capture
         assert res[key].error is None and cap is not None
@@ -112,6 +128,8 @@ def test_mixed_lengths_run_batched_and_padding_is_never_stored(engine, model_dir
     alone = _submit_together(engine, [("alone", reqs[2][1])])["alone"].capture
     references.check("r2 batched", AUX, reqs[2][1], *res["r2"].capture.bits())
     references.check("r2 alone", AUX, reqs[2][1], *alone.bits())
+    # The last request of a packed row sees none of the six before it.
+    references.check("r6 batched", AUX, reqs[6][1], *res["r6"].capture.bits())
 
 
 @pytest.mark.parametrize("n_aux", [3, 0])
@@ -221,7 +239,8 @@ def test_the_packed_sequence_shortcut_holds_only_inside_this_engines_forwards(en
 
 class _NaNAt:
     """Forward hooks: remember each forward's input ids; write NaN into decoder layer `layer`'s output (the
-    final norm's for None) at (the row running `ids`, position `pos`). `pos` may be a padded position."""
+    final norm's for None) at position `pos` of the request running `ids` (at the start of its padded row,
+    or wherever it lies in a packed one). `pos` may be a padded position."""
 
     def __init__(self, eng: HFEngine, layer: int, ids: list[int], pos: int):
         self.ids, self.pos, self.hits = ids, pos, 0
@@ -238,10 +257,12 @@ class _NaNAt:
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         n = len(self.ids)
         want = torch.tensor(self.ids)
-        for row in range(self._rows.shape[0]):
-            if self._rows.shape[1] > self.pos and torch.equal(self._rows[row, :n], want):
-                hidden[row, self.pos, 7] = float("nan")
-                self.hits += 1
+        rows, length = self._rows, self._rows.shape[1]
+        for row in range(rows.shape[0]):
+            for at in range(length - n + 1):
+                if at + self.pos < length and torch.equal(rows[row, at : at + n], want):
+                    hidden[row, at + self.pos, 7] = float("nan")
+                    self.hits += 1
 
     def remove(self):
         for h in self._handles:
@@ -253,7 +274,8 @@ def _three(eng):
     return [(f"n{i}", rng.integers(0, eng.vocab_size, size=n).tolist()) for i, n in enumerate((50, 20, 35))]
 
 
-def test_a_nonfinite_value_is_counted_for_its_request_and_rejects_only_it(engine):
+def test_a_nonfinite_value_is_counted_for_its_request_and_rejects_only_it(any_engine):
+    engine = any_engine
     h = engine.base.config.hidden_size
     reqs = _three(engine)
     before = engine.batches

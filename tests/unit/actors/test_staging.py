@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actors.hf import staging
-from actors.hf.staging import TritonStager, plane_offsets, stage_torch
+from actors.hf.staging import TritonStager, padded_starts, plane_offsets, stage_torch
 
 
 def _interpret() -> None:
@@ -28,8 +28,8 @@ def interpreter():
         yield pool
 
 
-def _triton_stage(lengths, t, h, k, seed):
-    body, bad = _stage(TritonStager(), _layers(lengths, t, h, k, seed), lengths)
+def _triton_stage(lengths, t, h, k, seed, packed=False):
+    body, bad = _stage(TritonStager(), _layers(lengths, t, h, k, seed), lengths, packed)
     return body.numpy(), bad
 
 
@@ -48,22 +48,30 @@ def _layers(lengths, t, h, k, seed):
     return layers
 
 
-def _stage(fill, layers, lengths):
-    offsets = plane_offsets(lengths, len(layers), layers[-1].shape[-1])
+def _packed(layers, lengths):
+    """The padded rows' real tokens end to end in one row, as a packed forward lays them out, and where each starts."""
+    packed = [torch.cat([x[row, :n] for row, n in enumerate(lengths)])[None] for x in layers]
+    return packed, np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+
+def _stage(fill, layers, lengths, packed=False, layout="planes"):
+    offsets = plane_offsets(lengths, len(layers), layers[-1].shape[-1], layout)
     body = torch.full((int(offsets[-1]),), 0xAB, dtype=torch.uint8)  # a byte left unwritten shows
+    layers, starts = _packed(layers, lengths) if packed else (layers, padded_starts(*layers[-1].shape[:2]))
     bad = torch.zeros(layers[-1].shape[:2], dtype=torch.int32)
-    fill(layers, lengths, offsets, body, bad)
-    return body, [int(bad[row, :n].sum()) for row, n in enumerate(lengths)]
+    fill(layers, lengths, starts, offsets, body, bad)
+    return body, [int(bad.view(-1)[a : a + n].sum()) for a, n in zip(starts, lengths)]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize(
     "lengths, t, h, k",
     [([5, 64, 65, 1], 70, 40, 3), ([130], 130, 128, 1), ([3, 2], 9, 64, 0), ([200, 17, 128], 200, 72, 2)],
 )
-def test_the_triton_kernel_writes_the_torch_ops_bytes_and_counts(interpreter, lengths, t, h, k):
+def test_the_triton_kernel_writes_the_torch_ops_bytes_and_counts(interpreter, lengths, t, h, k, packed):
     layers = _layers(lengths, t, h, k, seed=len(lengths) * h)
-    want, want_bad = _stage(stage_torch, layers, lengths)
-    got, got_bad = interpreter.submit(_triton_stage, lengths, t, h, k, len(lengths) * h).result()
+    want, want_bad = _stage(stage_torch, layers, lengths, packed)
+    got, got_bad = interpreter.submit(_triton_stage, lengths, t, h, k, len(lengths) * h, packed).result()
     assert got_bad == want_bad
     assert sum(want_bad) > 0  # the batch did carry non-finite values in real positions
     assert np.array_equal(got, want.numpy())
@@ -71,9 +79,22 @@ def test_the_triton_kernel_writes_the_torch_ops_bytes_and_counts(interpreter, le
     assert sum(got_bad) == expected_nonfinite
 
 
+@pytest.mark.parametrize("layout", ["planes", "fp8"])
+def test_a_packed_row_stages_the_same_bodies_and_counts_as_padded_rows(layout):
+    """A packed forward's states (the requests end to end in one row) give every request the body and
+    non-finite count its padded row gives; padding in the padded rows is neither copied nor counted."""
+    lengths, t, h, k = [5, 64, 1, 30], 66, 40, 2
+    fill = stage_torch if layout == "planes" else staging.stage_fp8
+    layers = _layers(lengths, t, h, k, seed=3)
+    want, want_bad = _stage(fill, layers, lengths, layout=layout)
+    got, got_bad = _stage(fill, layers, lengths, packed=True, layout=layout)
+    assert got_bad == want_bad and sum(want_bad) > 0
+    assert torch.equal(got, want)
+
+
 def test_a_kernel_that_disagrees_leaves_the_torch_ops_in_place(monkeypatch, caplog):
-    def off_by_one_byte(self, layers, lengths, offsets, body, bad):
-        stage_torch(layers, lengths, offsets, body, bad)
+    def off_by_one_byte(self, layers, lengths, starts, offsets, body, bad):
+        stage_torch(layers, lengths, starts, offsets, body, bad)
         body[len(body) // 2] ^= 1
 
     monkeypatch.setattr(staging, "_build_kernel", lambda: None)
@@ -107,7 +128,7 @@ def test_fp8_staging_writes_each_requests_codec_body_and_counts(lengths, t, h, k
     offsets = plane_offsets(lengths, k + 1, h, "fp8")
     body = torch.full((int(offsets[-1]),), 0xAB, dtype=torch.uint8)
     bad = torch.zeros(layers[-1].shape[:2], dtype=torch.int32)
-    staging.stage_fp8(layers, lengths, offsets, body, bad)
+    staging.stage_fp8(layers, lengths, padded_starts(len(lengths), t), offsets, body, bad)
     _, want_bad = _stage(stage_torch, layers, lengths)
     assert [int(bad[r, :n].sum()) for r, n in enumerate(lengths)] == want_bad
     as_bits = lambda x: x.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
