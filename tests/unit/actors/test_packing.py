@@ -68,16 +68,46 @@ def test_caller_batches_complete_in_order_under_packing():
     assert finished == [0, 1, 2, 3]
 
 
+def test_buckets_group_similar_lengths_and_keep_every_sequence_once():
+    lengths = [6000, 5900, 100, 90, 3000, 1, 80, 2900, 95]
+    groups = packing.buckets(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert groups[0] == [0, 1]  # 6000 and 5900 share a call; 3000 padded to 6000 would double its attention
+    assert [lengths[i] for i in groups[1]] == [3000, 2900]
+    assert len(groups) == 3  # the short ones together: their padding costs less than one 256-token sequence
+    for g in groups:
+        assert all(lengths[a] >= lengths[b] for a, b in zip(g, g[1:]))
+
+
+def test_spans_gather_every_token_once_and_scatter_it_back():
+    import torch
+
+    lengths = [5, 1, 300, 7, 280]
+    spans = packing.Spans.of(lengths, "cpu")
+    n = sum(lengths)
+    assert torch.equal(spans.gather[spans.scatter], torch.arange(n))  # each position reads itself back
+    assert spans.gather.numel() == sum(rows * longest for rows, longest in spans.shapes)
+    slots = 0
+    for rows, longest in spans.shapes:  # a group's slots hold whole sequences from their start, then padding
+        block = spans.gather[slots : slots + rows * longest].view(rows, longest)
+        for row in block:
+            first = int(row[0])
+            assert first in spans.starts[:-1]
+            seq = list(spans.starts).index(first)
+            assert torch.equal(row[: lengths[seq]], torch.arange(first, first + lengths[seq]))
+        slots += rows * longest
+
+
 # ---- the start-up check -------------------------------------------------------------------------------
 
 
 def test_a_packed_forward_that_lets_sequences_see_each_other_is_refused(model_dir, monkeypatch, caplog):
-    honest = packing._per_sequence
+    honest = packing.Spans.of
 
-    def leaking(query, key, value, spans, scaling):  # causal attention over the whole row
-        return honest(query, key, value, packing.Spans(np.array([0, int(spans.starts[-1])]), 0), scaling)
+    def leaking(lengths, device):  # the whole row as one sequence: causal attention across all of them
+        return honest([sum(lengths)], device)
 
-    monkeypatch.setattr(packing, "_per_sequence", leaking)
+    monkeypatch.setattr(packing.Spans, "of", leaking)
     with pytest.raises(RuntimeError, match="engine.packing=on: .* differ from the padded forward's by"):
         HFEngine(str(model_dir), AUX, packing="on").start()
     with caplog.at_level(logging.WARNING, logger="actors.hf.engine"):
