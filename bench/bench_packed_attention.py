@@ -10,9 +10,8 @@ forward, random bf16 query/key/value of the model's heads go through:
 
 - padded: torch's scaled_dot_product_attention [B, H, T, D] as transformers calls it (GQA, causal, no mask),
   with torch's own choice of kernel and with each kernel forced (flash, cuDNN, memory-efficient);
-- packed [N, H, D]: what actors/hf/packing.py runs (`grouped`: the row's sequences gathered into groups of
-  similar length, each group one padded call of the kernel above, scattered back), and over the cumulative
-  lengths FlashAttention-2 (`aten._flash_attention_forward`) and cuDNN (`aten._cudnn_attention_forward`).
+- packed [N, H, D] over the cumulative lengths: FlashAttention-2 (`aten._flash_attention_forward`, what
+  actors/hf/packing.py calls) and cuDNN (`aten._cudnn_attention_forward`).
 
 It reports device microseconds per real token for each (CUDA events, best of 3 after a warm-up) and, for the
 packed kernels, the largest difference from the padded output on real tokens. It says which attention kernel
@@ -34,8 +33,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-from actors.hf import packing  # noqa: E402 - after the path that makes the project importable
 
 
 def lengths_of(n: int, lo: int, hi: int, kind: str) -> list[int]:
@@ -121,7 +118,7 @@ def main() -> None:
     packed_s: dict[str, float | str] = {}
     max_diff: dict[str, float] = {}
     packed_forwards = forwards(lengths, args.batch_tokens, packed=True)
-    for name in ("grouped", "flash_varlen", "cudnn_varlen"):
+    for name in ("flash_varlen", "cudnn_varlen"):
         total, worst = 0.0, 0.0
         try:
             for rows in packed_forwards:
@@ -129,13 +126,7 @@ def main() -> None:
                 cu = torch.tensor(np.concatenate([[0], np.cumsum(rows)]), dtype=torch.int32, device=dev)
                 q, k, v = (x[0].transpose(0, 1) for x in qkv(1, n))  # [N, H, D]
                 longest = max(rows)
-                if name == "grouped":  # what actors/hf/packing.py runs, from the same [1, H, N, D] views
-                    spans = packing.Spans.of(rows, dev)
-
-                    def run(q=q, k=k, v=v, spans=spans):
-                        views = (x.transpose(0, 1)[None] for x in (q, k, v))
-                        return packing._grouped(*views, spans, scale)[0]
-                elif name == "flash_varlen":
+                if name == "flash_varlen":  # what actors/hf/packing.py calls
 
                     def run(q=q, k=k, v=v, cu=cu, longest=longest):
                         return torch.ops.aten._flash_attention_forward(

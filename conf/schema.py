@@ -103,11 +103,13 @@ class HFEngineConfig(_EngineBase):
     # GPU, every forward filled; 1/8 on a CPU, where padding is all cost); "measured": set on a GPU from the
     # host's launch time and the device's time per token (actors/hf/batching.py, FillFloor).
     fill_floor: float | Literal["measured"] | None = None
-    # Packed forwards: the requests end to end in one row, each attending only to itself (no padding;
-    # actors/hf/packing.py). auto: on a GPU wherever the model's attention allows it and a packed forward
-    # matches a padded one at start, padded otherwise (logged); on: the same, but an engine that cannot pack
-    # fails at start; off: padded rows (fill_floor then applies). A CPU packs only when asked (on).
-    packing: Literal["auto", "on", "off"] = "auto"
+    # Packed forwards: the requests end to end in one row, each attending only to itself, no padding
+    # (actors/hf/packing.py). off: padded rows, fill_floor applies; auto: packed wherever the model's attention
+    # allows it and a packed forward matches a padded one at start, padded otherwise (logged); on: the same,
+    # but an engine that cannot pack fails at start. Off by default: on the H200 the padded forward's attention
+    # (cuDNN's kernel) runs at twice the speed of the variable-length kernel packing needs, which cost more
+    # than the padding saved (bench/results/longtail_packed_h200.json, packed_attention_longtail_h200.json).
+    packing: Literal["auto", "on", "off"] = "off"
 
     @field_validator("packing", mode="before")
     @classmethod

@@ -185,7 +185,7 @@ class HFEngine:
         final_layer: str = "post_norm",
         capture_layout: str = "planes",
         fill_floor: float | str | None = None,
-        packing: str = "auto",
+        packing: str = "off",
     ):
         if capture_layout not in ("planes", "fp8"):
             raise ValueError(f"capture_layout {capture_layout!r}: planes or fp8")
@@ -367,9 +367,9 @@ class HFEngine:
     PACK_CHECK_LENGTHS = (37, 1, 100, 64)  # a single token, lengths off any tile
 
     def _pack(self) -> bool:
-        """Whether forwards run packed (engine.packing): where asked for (auto: on CUDA), the model's attention
-        allows it and a packed forward of a few sequences gives each the states its padded row gives."""
-        if self.packing == "off" or (self.packing == "auto" and not self.cuda):
+        """Whether forwards run packed (engine.packing): where asked for, the model's attention allows it and a
+        packed forward of a few sequences gives each the states its padded row gives."""
+        if self.packing == "off":
             return False
         why = self.decoder.pack() or self._check_packing()
         if why is None:

@@ -6,19 +6,23 @@ batches completing one after another pads more than a plain length-sorted loop: 
 take_simulation_head_*.json). Packed, a forward is the requests themselves, one after another, [1, N]:
 
 - positions restart at 0 for every sequence (`position_ids`), so rotary embeddings are each sequence's own;
-- attention is causal within each sequence and never crosses into another: the row's sequences are gathered
-  into a few groups of similar length (`buckets`), each group one right-padded scaled-dot-product call,
-  and scattered back. Attention is ~5 % of an 8B forward's work, so its padding costs little, while torch's
-  variable-length flash kernel ran at half the speed of the cuDNN kernel torch picks for padded rows on the
-  H200 (bench/results/packed_attention_*_h200.json);
+- attention is causal within each sequence and never crosses into another: on CUDA one variable-length
+  flash-attention call over the cumulative lengths (`cu_seqlens`, FlashAttention-2 as torch ships it, GQA
+  included); elsewhere one scaled-dot-product call per sequence, which is the unpadded forward itself;
 - every other operation of a decoder layer (norms, MLPs, MoE routing) works token by token, so it cannot
   tell packed from padded.
 
 transformers routes attention through its `AttentionInterface` by name; the packed forward registers one
 (`PACKED`) that runs the variable-length kernel while a packed forward is active on this thread and the
 library's sdpa function otherwise. No mask is built for it (transformers builds none for a name it has no
-mask function for), and nothing in it waits for the device: the gather and scatter indices go up from
-pinned memory once per forward.
+mask function for), and nothing in it waits for the device: the lengths go up from pinned memory.
+
+Off unless engine.packing asks for it. Measured on the H200 (torch 2.11, Qwen3-8B shape, long-tailed mix), the
+padded forward's attention runs cuDNN's kernel at 0.048 us a token and layer, the variable-length flash
+kernel 0.085 (bench/results/packed_attention_longtail_h200.json): the bare engine packed did 30.6k tok/s
+against 31.0k padded (bench/results/longtail_packed_h200.json). Grouping the row's sequences into padded
+calls of the cuDNN kernel (commit d968bb3) was no faster and added host work: its job ran at 0.76 of the
+bare engine. Where padded rows run the same flash kernel, packing saves the padding outright; unmeasured.
 
 What it cannot run: per-layer sliding windows, logit soft-capping, attention sinks, and heads whose values
 are narrower than their keys (MLA). `refusal(config)` names those from the config; the engine also checks
@@ -39,62 +43,24 @@ PACKED = "hidden_harvest_packed"
 _active = threading.local()  # .spans: the packed forward running on this thread, or None
 
 
-# Sequences share one padded attention call while padding it costs at most this share of their own attention
-# (causal attention costs ~n² per sequence of n tokens), or less than one sequence of BUCKET_FREE_TOKENS would.
-BUCKET_SLACK = 0.1
-BUCKET_FREE_TOKENS = 256
-
-
-def buckets(lengths: Sequence[int]) -> list[list[int]]:
-    """The packed row's sequences (indices) grouped for padded attention calls: longest first, each joining the
-    open group while the group's padded attention (rows x longest²) stays within BUCKET_SLACK of its
-    sequences' own, or adds less than a BUCKET_FREE_TOKENS sequence would."""
-    groups: list[list[int]] = []
-    longest = own = 0
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = lengths[i]
-        waste = (len(groups[-1]) + 1) * longest * longest - (own + n * n) if groups else 0
-        if groups and waste <= max(BUCKET_SLACK * (own + n * n), BUCKET_FREE_TOKENS**2):
-            groups[-1].append(i)
-            own += n * n
-        else:
-            groups.append([i])
-            longest, own = n, n * n
-    return groups
-
-
 @dataclass(frozen=True)
 class Spans:
-    """Where each sequence of a packed row lies (starts[i]..starts[i + 1]), and how attention runs over them:
-    the row's tokens gathered into padded groups (`gather`: for every slot of every group [rows, longest] in
-    turn, the row position it reads; padded slots read the group's first token, which no real position sees
-    under causal attention) and back (`scatter`: for every row position, its slot)."""
+    """Where each sequence of a packed row lies: starts[i]..starts[i + 1] (host), and on CUDA the same
+    cumulative lengths as a device int32 tensor for the kernel."""
 
     starts: np.ndarray  # int64 [R + 1]
-    shapes: tuple[tuple[int, int], ...]  # (rows, longest) per group
-    gather: object  # int64 [sum rows * longest], on the row's device
-    scatter: object  # int64 [N]
+    longest: int
+    cu_seqlens: object = None
 
     @classmethod
     def of(cls, lengths: Sequence[int], device: str) -> Spans:
-        import torch
-
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        gather, shapes = [], []
-        scatter = np.empty(int(starts[-1]), dtype=np.int64)
-        slot = 0
-        for group in buckets(lengths):
-            longest = lengths[group[0]]
-            shapes.append((len(group), longest))
-            for i in group:
-                n, a = lengths[i], int(starts[i])
-                gather.append(np.concatenate([np.arange(a, a + n), np.full(longest - n, int(starts[group[0]]))]))
-                scatter[a : a + n] = np.arange(slot, slot + n)
-                slot += longest
-        both = torch.from_numpy(np.concatenate([*gather, scatter]))
-        if device.startswith("cuda"):  # one upload, queued behind the device's work: nothing waits
-            both = both.pin_memory().to(device, non_blocking=True)
-        return cls(starts, tuple(shapes), both[:slot], both[slot:])
+        cu = None
+        if device.startswith("cuda"):
+            import torch
+
+            cu = torch.from_numpy(starts.astype(np.int32)).pin_memory().to(device, non_blocking=True)
+        return cls(starts, int(max(lengths)), cu)
 
 
 class active:
@@ -138,27 +104,35 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         raise NotImplementedError("packed attention: sliding windows, soft-capping and sinks are not supported")
     if value.shape[-1] != query.shape[-1] or query.shape[0] != 1:
         raise NotImplementedError(f"packed attention: query {tuple(query.shape)}, value {tuple(value.shape)}")
-    return _grouped(query, key, value, spans, scaling), None
+    if query.is_cuda:
+        return _flash_varlen(query, key, value, spans, scaling), None
+    return _per_sequence(query, key, value, spans, scaling), None
 
 
-def _grouped(query, key, value, spans: Spans, scaling):
-    """Each group of sequences (buckets) as right-padded rows through torch's scaled-dot-product attention,
-    causal, no mask: the same call as a padded forward, so the same kernel (cuDNN's on the H200, twice as
-    fast there as the variable-length flash kernel torch ships: bench/results/packed_attention_*_h200.json).
-    Under causal attention a real position sees only earlier positions of its own row, all its own sequence's."""
+def _flash_varlen(query, key, value, spans: Spans, scaling):
+    import torch
+
+    # [1, H, N, D] -> [N, H, D]: the kernel's layout (only the last dimension need be contiguous).
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, spans.cu_seqlens, spans.cu_seqlens, spans.longest, spans.longest, 0.0, True, False, scale=scaling
+    )[0]
+    return out.unsqueeze(0)
+
+
+def _per_sequence(query, key, value, spans: Spans, scaling):
+    """Each sequence alone through torch's scaled-dot-product attention: exactly its unpadded forward."""
     import torch
     import torch.nn.functional as F
 
-    # Token-major [N, H, D] views; one gather per tensor for every group.
-    q, k, v = (x[0].transpose(0, 1).index_select(0, spans.gather) for x in (query, key, value))
-    out, at = [], 0
-    for rows, longest in spans.shapes:
-        size = rows * longest
-        part = [x[at : at + size].view(rows, longest, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v)]
-        o = F.scaled_dot_product_attention(*part, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-        out.append(o.transpose(1, 2).reshape(size, q.shape[1], q.shape[2]))
-        at += size
-    return torch.cat(out).index_select(0, spans.scatter).unsqueeze(0)
+    groups = query.shape[1] // key.shape[1]
+    parts = []
+    for a, b in zip(spans.starts[:-1].tolist(), spans.starts[1:].tolist()):
+        k, v = key[:, :, a:b], value[:, :, a:b]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        parts.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
 def register() -> None:

@@ -68,51 +68,20 @@ def test_caller_batches_complete_in_order_under_packing():
     assert finished == [0, 1, 2, 3]
 
 
-def test_buckets_group_similar_lengths_and_keep_every_sequence_once():
-    lengths = [6000, 5900, 100, 90, 3000, 1, 80, 2900, 95]
-    groups = packing.buckets(lengths)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert groups[0] == [0, 1]  # 6000 and 5900 share a call; 3000 padded to 6000 would double its attention
-    assert [lengths[i] for i in groups[1]] == [3000, 2900]
-    assert len(groups) == 3  # the short ones together: their padding costs less than one 256-token sequence
-    for g in groups:
-        assert all(lengths[a] >= lengths[b] for a, b in zip(g, g[1:]))
-
-
-def test_spans_gather_every_token_once_and_scatter_it_back():
-    import torch
-
-    lengths = [5, 1, 300, 7, 280]
-    spans = packing.Spans.of(lengths, "cpu")
-    n = sum(lengths)
-    assert torch.equal(spans.gather[spans.scatter], torch.arange(n))  # each position reads itself back
-    assert spans.gather.numel() == sum(rows * longest for rows, longest in spans.shapes)
-    slots = 0
-    for rows, longest in spans.shapes:  # a group's slots hold whole sequences from their start, then padding
-        block = spans.gather[slots : slots + rows * longest].view(rows, longest)
-        for row in block:
-            first = int(row[0])
-            assert first in spans.starts[:-1]
-            seq = list(spans.starts).index(first)
-            assert torch.equal(row[: lengths[seq]], torch.arange(first, first + lengths[seq]))
-        slots += rows * longest
-
-
 # ---- the start-up check -------------------------------------------------------------------------------
 
 
 def test_a_packed_forward_that_lets_sequences_see_each_other_is_refused(model_dir, monkeypatch, caplog):
-    honest = packing.Spans.of
+    honest = packing._per_sequence
 
-    def leaking(lengths, device):  # the whole row as one sequence: causal attention across all of them
-        return honest([sum(lengths)], device)
+    def leaking(query, key, value, spans, scaling):  # causal attention over the whole row
+        return honest(query, key, value, packing.Spans(np.array([0, int(spans.starts[-1])]), 0), scaling)
 
-    monkeypatch.setattr(packing.Spans, "of", leaking)
+    monkeypatch.setattr(packing, "_per_sequence", leaking)
     with pytest.raises(RuntimeError, match="engine.packing=on: .* differ from the padded forward's by"):
         HFEngine(str(model_dir), AUX, packing="on").start()
     with caplog.at_level(logging.WARNING, logger="actors.hf.engine"):
         eng = HFEngine(str(model_dir), AUX, packing="auto", device="cpu")
-        eng.cuda = True  # auto packs on CUDA only; the check itself runs on any device
         eng.decoder.load()
         assert eng._pack() is False
     assert "padded forwards" in caplog.text and "cannot run packed" in caplog.text
@@ -120,12 +89,13 @@ def test_a_packed_forward_that_lets_sequences_see_each_other_is_refused(model_di
     assert eng.decoder.base.config._attn_implementation == "sdpa"
 
 
-def test_an_honest_packed_forward_passes_the_check_and_a_cpu_packs_only_when_asked(model_dir):
+def test_an_honest_packed_forward_passes_the_check_and_packing_is_asked_for(model_dir):
     eng = HFEngine(str(model_dir), AUX, device="cpu")
-    assert eng.packing == "auto"
+    assert eng.packing == "off"
     eng.decoder.load()
-    assert eng._pack() is False  # auto on a CPU: padded, nothing checked
-    assert eng.decoder.pack() is None and eng._check_packing() is None
+    assert eng._pack() is False  # off by default: padded, nothing checked
+    eng.packing = "auto"
+    assert eng._pack() is True and eng._check_packing() is None
     with pytest.raises(ValueError, match="packing 'sometimes'"):
         HFEngine(str(model_dir), AUX, packing="sometimes")
 
