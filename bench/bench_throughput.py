@@ -3,7 +3,7 @@
   python bench/bench_throughput.py [--config conf/default.yaml] [--repeats R] [--limit N]
                                    [--short-only | --shipped-only] [--job-set SECTION.KEY=VALUE ...]
                                    [--plain-flags "--mem-fraction-static 0.2"] [--dtype float32]
-                                   [--out bench/results/throughput_cpu.json]
+                                   [--variant NAME:SECTION.KEY=VALUE,...] [--out bench/results/throughput_cpu.json]
 
 Two prompt sets, each measured on the same samples:
   shipped: the config's input, tokenized as the job does (pipeline.intake.tokenize.Tokenize).
@@ -22,7 +22,9 @@ matmul is slow (no avx512_bf16/amx), where either would otherwise be measured at
 ratio_vs_plain = job after engine start / best plain; ratio_vs_plain_end_to_end uses the end-to-end rate
 (actor and server start-up included). With --repeats R the plain sweep and the job alternate R times (each
 sweep on a fresh server), every figure is the median of R, and each repeat's own ratio is kept
-(ratio_vs_plain_per_repeat): a 2-core machine's speed drifts between passes.
+(ratio_vs_plain_per_repeat): a 2-core machine's speed drifts between passes. --variant NAME:K=V,... runs
+another job after the default one in every repeat (e.g. `idle_off:ray.idle_daemons=off`), summarized the same
+way under the set's `variants`.
 """
 
 from __future__ import annotations
@@ -208,6 +210,13 @@ def main() -> None:
     ap.add_argument("--short-count", type=int, default=336, help="prompts in the short set")
     ap.add_argument("--seed", type=int, default=0, help="seed of the short set")
     ap.add_argument("--job-set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="passed to the job")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:SECTION.KEY=VALUE,...",
+        help="another job after the default one in every repeat, with these settings as well",
+    )
     ap.add_argument("--windows", default="8,16,32", help="the plain server's in-flight windows")
     ap.add_argument("--plain-flags", default="--mem-fraction-static 0.2", help="what a user adds to the plain server")
     ap.add_argument("--dtype", default=None, help="compute dtype of both (plain --dtype, job engine.server_flags)")
@@ -260,12 +269,22 @@ def main() -> None:
             print(f"{name}: {len(samples)} samples, {sum(map(len, samples)):,} tokens", flush=True)
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             sweeps, jobs = [], []
-            for r in range(args.repeats):  # plain, job, plain, job: both see the machine's drift alike
+            variants = {v.split(":", 1)[0]: v.split(":", 1)[1].split(",") for v in args.variant}
+            variant_jobs: dict[str, list[dict]] = {v: [] for v in variants}
+            for r in range(args.repeats):  # plain, job(s), plain, job(s): all see the machine's drift alike
                 with tempfile.TemporaryDirectory(dir=shm) as d:
                     spec = ServerSpec(model_dir=model_dir, aux_layers=tuple(aux), dump_dir=Path(d), cpu_threads=threads)
                     sweeps += plain_sweeps(spec, samples, windows, plain_flags, 1)
                 jobs.append(run_job(config, input_path, args.job_set, f"{r + 1}/{args.repeats}"))
+                for v, sets in variants.items():
+                    variant_jobs[v].append(
+                        run_job(config, input_path, args.job_set + sets, f"{v} {r + 1}/{args.repeats}")
+                    )
             result["sets"][name] = summarize(samples, sweeps, jobs, windows)
+            if variants:
+                result["sets"][name]["variants"] = {
+                    v: {"set": variants[v], **summarize(samples, sweeps, vj, windows)} for v, vj in variant_jobs.items()
+                }
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -278,6 +297,11 @@ def main() -> None:
             f"{s['ms_per_request_over_plain']} ms a request over it) | "
             f"job end to end {fmt(s['job_tok_s'])} tok/s ({ratio(s['ratio_vs_plain_end_to_end'])} plain)"
         )
+        for v, vs in s.get("variants", {}).items():
+            print(
+                f"  variant {v} ({', '.join(vs['set'])}): job after engine start {fmt(vs['job_after_start_tok_s'])} "
+                f"tok/s ({ratio(vs['ratio_vs_plain'])} plain; per repeat {vs['ratio_vs_plain_per_repeat']})"
+            )
 
 
 if __name__ == "__main__":
