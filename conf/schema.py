@@ -298,16 +298,6 @@ class RayConfig(_Strict):
     address: str | None = None
     num_cpus: int | None = Field(None, ge=1)
     object_store_memory_mb: int | None = Field(None, ge=75)
-    # The driver and the daemons of a local Ray this job starts (not the raylet, nor any worker or engine) at
-    # idle CPU priority, so that they run only on cores the engine leaves free (pipeline/driver/priority.py).
-    # auto: where that Ray has no GPU (the engine computes on the CPU); on: always; off: never. A cluster's
-    # Ray (ray.address, RAY_ADDRESS) is never touched.
-    idle_daemons: Literal["auto", "on", "off"] = "auto"
-
-    @field_validator("idle_daemons", mode="before")
-    @classmethod
-    def _yaml_switch(cls, v):
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class HarvestConfig(_Strict):

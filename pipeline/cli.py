@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import logging
 import os
@@ -15,7 +14,6 @@ from pipeline.driver.budget import InsufficientSpace
 from pipeline.driver.failures import failure_message
 from pipeline.driver.job import run
 from pipeline.driver.preflight import PreflightError
-from pipeline.driver.priority import IdleRayDaemons
 from pipeline.driver.regenerate import regenerate, run_with_generation
 from pipeline.format.lock import OutputLocked
 from pipeline.format.manifest import SettingsMismatch
@@ -65,22 +63,6 @@ def cmd_run(args) -> int:
     if cfg.output is None:
         raise ConfigError("harvest run needs an output section (output.path: where the hidden states go)")
     ray_s = _init_ray(cfg)
-    with _daemon_priority(cfg, started_ray=ray_s is not None):
-        return _run_and_report(cfg, args, ray_s)
-
-
-def _daemon_priority(cfg, started_ray: bool):
-    """Ray's daemons at idle CPU priority (ray.idle_daemons) where this process started a local Ray."""
-    import ray
-
-    local = started_ray and not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-    mode = cfg.ray.idle_daemons
-    if local and (mode == "on" or (mode == "auto" and not ray.cluster_resources().get("GPU", 0))):
-        return IdleRayDaemons()
-    return contextlib.nullcontext()
-
-
-def _run_and_report(cfg, args, ray_s) -> int:
     regen = None
     if cfg.generate is not None:
         regen = run_with_generation(cfg, retry_errors=args.retry_errors, ray_start_s=ray_s)
