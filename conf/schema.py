@@ -108,7 +108,7 @@ class HFEngineConfig(_EngineBase):
     # allows it and a packed forward matches a padded one at start, padded otherwise (logged); on: the same,
     # but an engine that cannot pack fails at start. Off by default: on the H200 the padded forward's attention
     # (cuDNN's kernel) runs at twice the speed of the variable-length kernel packing needs, which cost more
-    # than the padding saved (bench/results/longtail_packed_h200.json, packed_attention_longtail_h200.json).
+    # than the padding saved (bench/results/longtail_packed_varlen_h200.json, packed_attention_longtail_h200.json).
     packing: Literal["auto", "on", "off"] = "off"
 
     @field_validator("packing", mode="before")

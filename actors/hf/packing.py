@@ -20,7 +20,7 @@ mask function for), and nothing in it waits for the device: the lengths go up fr
 Off unless engine.packing asks for it. Measured on the H200 (torch 2.11, Qwen3-8B shape, long-tailed mix), the
 padded forward's attention runs cuDNN's kernel at 0.048 us a token and layer, the variable-length flash
 kernel 0.085 (bench/results/packed_attention_longtail_h200.json): the bare engine packed did 30.6k tok/s
-against 31.0k padded (bench/results/longtail_packed_h200.json). Grouping the row's sequences into padded
+against 31.0k padded (bench/results/longtail_packed_varlen_h200.json). Grouping the row's sequences into padded
 calls of the cuDNN kernel (commit d968bb3) was no faster and added host work: its job ran at 0.76 of the
 bare engine. Where padded rows run the same flash kernel, packing saves the padding outright; unmeasured.
 
