@@ -34,13 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_throughput import machine, short_set  # noqa: E402
+from bench_throughput import job_tokenizer, machine, short_set  # noqa: E402
 from plain_sglang import plain_server, sweep  # noqa: E402
 
 from actors.sglang.server import ServerSpec  # noqa: E402
 from conf.schema import load_config  # noqa: E402
-from pipeline.intake.model import resolve_model  # noqa: E402
-from pipeline.intake.tokenize import Tokenize  # noqa: E402
 
 
 def role(p: psutil.Process) -> str:
@@ -156,10 +154,7 @@ def idle_ray(seconds: float, dashboard: bool) -> dict[str, float]:
 
 def short_prompts(prompts: int) -> tuple[Path, list[list[int]]]:
     cfg = load_config(str(ROOT / "conf" / "default.yaml"), [])
-    model_dir = resolve_model(cfg.model.path)
-    tok = Tokenize(
-        str(model_dir), cfg.extract.max_tokens, cfg.extract.overlength, cfg.input.id_field, cfg.extract.turns, {}
-    )
+    model_dir, tok = job_tokenizer(cfg)
     lines = (ROOT / cfg.input.path).read_text().splitlines()
     return model_dir, short_set(tok, lines, prompts, 0)
 

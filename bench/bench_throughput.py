@@ -161,6 +161,20 @@ def summarize(samples: list[list[int]], sweeps: list[dict[int, float]], jobs: li
     }
 
 
+def job_tokenizer(cfg) -> tuple[Path, Tokenize]:
+    """The config's model directory and the job's own tokenize step for it (chat template, loss mask)."""
+    model_dir = resolve_model(cfg.model.path)
+    tok = Tokenize(
+        str(model_dir),
+        cfg.extract.max_tokens,
+        cfg.extract.overlength,
+        cfg.input.id_field,
+        cfg.extract.turns,
+        dict(cfg.extract.template_kwargs),
+    )
+    return model_dir, tok
+
+
 def machine() -> str:
     model = platform.processor()
     try:
@@ -234,15 +248,7 @@ def main() -> None:
     os.chdir(ROOT)  # the config's relative paths (input.path) are relative to the repository
 
     cfg = load_config(config, args.job_set)
-    model_dir = resolve_model(cfg.model.path)
-    tok = Tokenize(
-        str(model_dir),
-        cfg.extract.max_tokens,
-        cfg.extract.overlength,
-        cfg.input.id_field,
-        cfg.extract.turns,
-        dict(cfg.extract.template_kwargs),
-    )
+    model_dir, tok = job_tokenizer(cfg)
     lines = Path(cfg.input.path).read_text().splitlines()
     aux = cfg.extract.aux_layers or default_aux_layers(num_hidden_layers(model_dir))
     threads = cfg.engine.cpu_threads or os.cpu_count()
