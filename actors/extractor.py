@@ -125,7 +125,9 @@ class HiddenStateExtractor:
                 self.io[k] += v
             self.io["encode_wait_s"] += stamps.get("encode_wait_s", 0.0)
             self.io["bytes"] += shard.flushed_bytes
-            io = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.io.items()}
+            # Microseconds: a small shard's commit (a rename) takes well under a millisecond, and rounded to
+            # milliseconds it read as no commit at all.
+            io = {k: round(v, 6) if isinstance(v, float) else v for k, v in self.io.items()}
         if counters.get("start") is not None:  # where this actor's start went, for the driver's start-up line
             counters["start"] = dict(counters["start"], actor_init_unix=self.init_unix, ready_unix=self.ready_unix)
         if counters:
