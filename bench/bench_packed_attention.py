@@ -94,6 +94,7 @@ def main() -> None:
     def qkv(rows: int, t: int):
         return [torch.randn(rows, h, t, d, device=dev, dtype=torch.bfloat16, generator=gen) for h in (hq, hkv, hkv)]
 
+    padded_forwards = forwards(lengths, args.batch_tokens, packed=False)
     padded_s: dict[str, float] = {}
     for name, backend in (
         ("sdpa_default", None),
@@ -103,7 +104,7 @@ def main() -> None:
     ):
         total = 0.0
         try:
-            for rows in forwards(lengths, args.batch_tokens, packed=False):
+            for rows in padded_forwards:
                 q, k, v = qkv(len(rows), rows[0])
 
                 def run(q=q, k=k, v=v, backend=backend):
@@ -159,7 +160,7 @@ def main() -> None:
     def us(x):
         return round(1e6 * x / real, 3) if isinstance(x, float) else x
 
-    padded_tokens = sum(len(r) * r[0] for r in forwards(lengths, args.batch_tokens, packed=False))
+    padded_tokens = sum(len(r) * r[0] for r in padded_forwards)
     result = {
         "benchmark": "bench_packed_attention",
         "machine": torch.cuda.get_device_name(),
@@ -174,7 +175,7 @@ def main() -> None:
             "padding": round(padded_tokens / real - 1, 4),
         },
         "heads": [hq, hkv, d],
-        "forwards": {"padded": len(forwards(lengths, args.batch_tokens, packed=False)), "packed": len(packed_forwards)},
+        "forwards": {"padded": len(padded_forwards), "packed": len(packed_forwards)},
         "us_per_real_token": {
             **{f"padded/{k}": us(v) for k, v in padded_s.items()},
             **{f"packed/{k}": us(v) for k, v in packed_s.items()},

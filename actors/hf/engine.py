@@ -53,7 +53,15 @@ from actors.engine import EngineDied, RequestResult
 from actors.hf.batching import BatchPolicy, FillFloor, take_batch, take_packed
 from actors.hf.decoder import Decoder
 from actors.hf.pinned import PinnedSlabs
-from actors.hf.staging import TritonStager, body_per_token, padded_starts, plane_offsets, stage_fp8, stage_torch
+from actors.hf.staging import (
+    TritonStager,
+    body_per_token,
+    packed_starts,
+    padded_starts,
+    plane_offsets,
+    stage_fp8,
+    stage_torch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +83,7 @@ class _Staged:
 
     batch: list[_Request]
     ids: np.ndarray  # the ids the forward ran: [B, T] padded rows or [1, N] packed
-    starts: np.ndarray | None = None  # request i's first position in ids.reshape(-1) (None: padded rows)
+    starts: np.ndarray | None = None  # request i's first position in ids.reshape(-1) (None: nothing staged)
     planes: object = None
     offsets: np.ndarray | None = None
     nonfinite: object = None
@@ -89,9 +97,7 @@ def _ids_sha256(ids: np.ndarray) -> str:
 
 def _request_starts(lengths: list[int], shape: tuple[int, ...], packed: bool) -> np.ndarray:
     """Each request's first position in a forward's [B*T] positions: end to end when packed, else row * T."""
-    if packed:
-        return np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
-    return padded_starts(shape[0], shape[1])
+    return packed_starts(lengths) if packed else padded_starts(shape[0], shape[1])
 
 
 FORWARD_LOG_ENV = "HIDDEN_HARVEST_FORWARD_LOG"
@@ -787,8 +793,7 @@ class HFEngine:
         w, h = staged.widths
         now = time.monotonic()
         self.last_done_unix = time.time()
-        starts = staged.starts if staged.starts is not None else padded_starts(*staged.ids.shape)
-        ids, nonfinite = staged.ids.reshape(-1), staged.nonfinite.reshape(-1)
+        starts, ids, nonfinite = staged.starts, staged.ids.reshape(-1), staged.nonfinite.reshape(-1)
         for row, r in enumerate(staged.batch):
             n, a = len(r.ids), int(starts[row])
             header = CaptureHeader(

@@ -43,6 +43,11 @@ def padded_starts(rows: int, length: int) -> np.ndarray:
     return np.arange(rows, dtype=np.int64) * length
 
 
+def packed_starts(lengths: list[int]) -> np.ndarray:
+    """Request i's first position in a packed forward's [N] positions: the lengths before it."""
+    return np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
+
+
 def plane_offsets(lengths: list[int], layers: int, hidden: int, layout: str = "planes") -> np.ndarray:
     """Where each request's body starts in the staging buffer, and its end ([B + 1], int64)."""
     per_token = body_per_token(layers, hidden, layout)
@@ -247,8 +252,7 @@ class TritonStager:
             offsets = plane_offsets(lengths, k + 1, h)
             # The same requests packed end to end in one row (a packed forward's layout).
             packed = [torch.cat([x[r, :n] for r, n in enumerate(lengths)])[None] for x in layers]
-            packed_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-            for states, starts in ((layers, padded_starts(b, t)), (packed, packed_starts)):
+            for states, starts in ((layers, padded_starts(b, t)), (packed, packed_starts(lengths))):
                 out = []
                 for fill in (stage_torch, stager):
                     staging = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=device)

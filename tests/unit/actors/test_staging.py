@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actors.hf import staging
-from actors.hf.staging import TritonStager, padded_starts, plane_offsets, stage_torch
+from actors.hf.staging import TritonStager, packed_starts, padded_starts, plane_offsets, stage_torch
 
 
 def _interpret() -> None:
@@ -51,7 +51,7 @@ def _layers(lengths, t, h, k, seed):
 def _packed(layers, lengths):
     """The padded rows' real tokens end to end in one row, as a packed forward lays them out, and where each starts."""
     packed = [torch.cat([x[row, :n] for row, n in enumerate(lengths)])[None] for x in layers]
-    return packed, np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return packed, packed_starts(lengths)
 
 
 def _stage(fill, layers, lengths, packed=False, layout="planes"):
