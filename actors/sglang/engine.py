@@ -68,6 +68,43 @@ def remove_orphaned_dump_dirs(root: Path) -> list[Path]:
     return removed
 
 
+class WindowClock:
+    """How full the capture window was, from the engine's start (after warm-up) to now: the seconds with
+    nothing in flight, with the window short of full, and the mean number in flight. A job slower than a
+    plain server at the same window shows here whether the server was kept fed. Touched only from the
+    engine's event loop; read from any thread (a snapshot of a few floats)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.reset()
+
+    def reset(self, now: float | None = None) -> None:
+        self.since = self._last = time.monotonic() if now is None else now
+        self.in_flight = self.requests = 0
+        self.idle_s = self.short_s = self.area = 0.0
+
+    def change(self, delta: int, now: float) -> None:
+        span = now - self._last
+        self.idle_s += span * (self.in_flight == 0)
+        self.short_s += span * (self.in_flight < self.size)
+        self.area += span * self.in_flight
+        self._last, self.in_flight = now, self.in_flight + delta
+        self.requests += delta > 0
+
+    def snapshot(self) -> dict:
+        now = time.monotonic()
+        span = max(now - self.since, 1e-9)
+        tail = now - self._last  # the stretch since the last change, at the current level
+        return {
+            "size": self.size,
+            "requests": self.requests,
+            "seconds": round(span, 3),
+            "idle_s": round(self.idle_s + tail * (self.in_flight == 0), 3),
+            "short_of_full_s": round(self.short_s + tail * (self.in_flight < self.size), 3),
+            "mean_in_flight": round((self.area + tail * self.in_flight) / span, 2),
+        }
+
+
 class SGLangEngine:
     name = "sglang"
     # A server start that stalls or exits is tried once more (fresh ports, a fresh process) before the actor
@@ -154,6 +191,7 @@ class SGLangEngine:
         self._lock = threading.Lock()  # rid counter and server restarts, from any caller thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._window = WindowClock(max_in_flight)
 
     def start(self) -> SGLangEngine:
         for attempt in range(1, self.start_attempts + 1):
@@ -172,6 +210,8 @@ class SGLangEngine:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._open_session(), self._loop).result()
         self._warm_up()
+        # The window's clock starts when the job's requests may: warm-up is start-up.
+        self._loop.call_soon_threadsafe(self._window.reset)
         return self
 
     def _warm_up(self) -> None:
@@ -237,7 +277,10 @@ class SGLangEngine:
 
     def stats(self) -> dict:
         """Where the server's start went (the server keeps its own request counters, on its metrics endpoint)."""
-        return {"start": dict(self.server.phases)} if self.server.phases else {}
+        out = {"start": dict(self.server.phases)} if self.server.phases else {}
+        if self._window.requests:
+            out["window"] = self._window.snapshot()
+        return out
 
     def healthy(self) -> bool:
         return self.server.alive()
@@ -308,6 +351,9 @@ class SGLangEngine:
         its turn in the window to the answer), or (None, why not, 0)."""
         async with window:
             t0 = time.monotonic()
+            clock = self._window if window is self._sem else None
+            if clock is not None:
+                clock.change(+1, t0)
             try:
                 async with self._session.post(f"{self.server.url}/generate", json=payload) as resp:
                     body = await resp.read()
@@ -315,6 +361,9 @@ class SGLangEngine:
                         return None, f"server answered {resp.status}: {body[:200]!r}", 0.0
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 return None, f"request failed: {type(e).__name__}: {e}", 0.0
+            finally:
+                if clock is not None:
+                    clock.change(-1, time.monotonic())
             return body, None, time.monotonic() - t0
 
     async def _capture_one(self, key: str, ids: list[int], rid: str) -> RequestResult:

@@ -66,6 +66,10 @@ def test_results_are_realigned_by_id_and_repeats_are_not_truncated(engine, refer
         references.check(key, AUX, ids, *res.capture.bits())
     assert engine.healthy()
     assert not [p for p in engine.spec.dump_dir.iterdir() if p.suffix == ".hhd"]  # every dump consumed
+    # The window's clock counts the job's requests only (warm-up is start-up), and none is left in flight.
+    window = engine.stats()["window"]
+    assert window["requests"] >= len(requests) and window["size"] == 4
+    assert 0 < window["mean_in_flight"] <= 4 and window["short_of_full_s"] <= window["seconds"]
 
 
 def test_the_server_listens_on_loopback_only_and_dumps_into_a_private_directory(engine):

@@ -3,7 +3,15 @@ from pathlib import Path
 
 import pytest
 
-from actors.sglang.server import CPU_KV_TOKENS, CPU_MEM_FRACTION, RID_PREFIX, ServerSpec, build_command, build_env
+from actors.sglang.server import (
+    CPU_KV_TOKENS,
+    CPU_MALLOC_ENV,
+    CPU_MEM_FRACTION,
+    RID_PREFIX,
+    ServerSpec,
+    build_command,
+    build_env,
+)
 
 PATCH_ROOT = Path(__file__).resolve().parents[3] / "patches" / "sglang" / "v0_5_23"
 
@@ -145,6 +153,24 @@ def test_env_hook_variables(monkeypatch):
     assert env["EXTRA"] == "1"
     assert "" not in env["PYTHONPATH"].split(os.pathsep)
     assert "SGLANG_USE_CPU_ENGINE" not in build_env(spec(cpu=False))
+
+
+def test_a_cpu_server_gets_the_malloc_settings_as_a_set_unless_the_user_set_any(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(key)
+    cpu = build_env(spec(cpu=True))
+    assert {k: cpu[k] for k in CPU_MALLOC_ENV} == CPU_MALLOC_ENV
+    assert int(cpu["MALLOC_MMAP_THRESHOLD_"]) <= 32 * 2**20  # glibc ignores a larger one on 64-bit
+    assert not any(k.startswith("MALLOC_") for k in build_env(spec(cpu=False)))
+    # One of glibc's own set by the user (or the spec): none of ours, since the trim threshold alone is harmful.
+    assert not any(
+        k.startswith("MALLOC_")
+        for k in build_env(spec(cpu=True, env={"MALLOC_ARENA_MAX": "2"}))
+        if k != "MALLOC_ARENA_MAX"
+    )
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1")
+    env = build_env(spec(cpu=True))
+    assert env["MALLOC_TRIM_THRESHOLD_"] == "1" and "MALLOC_MMAP_THRESHOLD_" not in env
 
 
 def test_nothing_of_the_server_listens_beyond_loopback(monkeypatch):
