@@ -1,6 +1,7 @@
 """How a CPU SGLang capture server's rate depends on what it has run before: new prompts against repeated ones.
 
-  python bench/bench_server_warmth.py [--prompts 150] [--windows 8,16] [--out bench/results/server_warmth_cpu.json]
+  python bench/bench_server_warmth.py [--prompts 150] [--windows 8,16] [--malloc tuned,glibc] [--repeats 1]
+                                     [--out bench/results/server_warmth_cpu.json]
 
 For each window, a fresh capturing engine (actors/sglang/engine.py, its warm-up included) captures, in turn:
 set A (log-uniform 48-1,024 tokens, as bench_throughput's short set), set B (the same lengths' distribution,
@@ -8,6 +9,10 @@ other prompts), and set A again. A job sees every prompt once, so its server run
 while the plain baseline sweeps its windows over the same prompts: if repeated prompts ran faster, that
 baseline would be one no job could reach. It also shows whether a fresh engine's first pass is slower than its
 later ones (the engine's warm-up is there to make it not).
+
+--malloc: the server's glibc malloc settings, each on its own fresh engine: `tuned` (the engine's default on the
+CPU, actors/sglang/server.py CPU_MALLOC_ENV) and `glibc` (glibc's own defaults: the spec sets MALLOC_PERTURB_=0,
+which changes nothing but keeps the engine's settings out). With --repeats R the modes alternate R times.
 """
 
 from __future__ import annotations
@@ -38,10 +43,32 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [rng.integers(100, 49_000, size=k).tolist() for k in lengths]
 
 
+# The server's environment for each --malloc mode: {} leaves the engine's own choice (tuned on the CPU).
+MALLOC = {"tuned": {}, "glibc": {"MALLOC_PERTURB_": "0"}}
+
+
+def passes(spec: dict, window: int, sets: dict, label: str) -> list[dict]:
+    """Sets A, B, A through one fresh engine; tok/s of each pass."""
+    rates = []
+    with SGLangEngine(spec, max_in_flight=window, request_timeout_s=600, dump_timeout_s=30) as engine:
+        for name in ("A", "B", "A"):
+            t0 = time.perf_counter()
+            res = engine.capture([(f"{name}{len(rates)}-{i}", ids) for i, ids in enumerate(sets[name])])
+            took = time.perf_counter() - t0
+            for r in res.values():
+                assert r.error is None, r.error
+                r.capture.release()
+            rates.append({"set": name, "tok_s": round(sum(map(len, sets[name])) / took, 1)})
+            print(f"{label}, set {name}: {rates[-1]['tok_s']:,.0f} tok/s", flush=True)
+    return rates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=150)
     ap.add_argument("--windows", default="8,16")
+    ap.add_argument("--malloc", default="tuned", help="comma-separated: tuned (the engine's default), glibc")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "server_warmth_cpu.json")
     args = ap.parse_args()
     model = prepare_default_model()
@@ -54,20 +81,15 @@ def main() -> None:
         "extra_flags": (),
     }
     sets = {"A": prompts(args.prompts, 0), "B": prompts(args.prompts, 1)}
-    runs = {}
+    modes = args.malloc.split(",")
+    if set(modes) - set(MALLOC):
+        sys.exit(f"--malloc: {', '.join(MALLOC)}")
+    runs: dict = {}
     for window in [int(w) for w in args.windows.split(",")]:
-        rates = []
-        with SGLangEngine(spec, max_in_flight=window, request_timeout_s=600, dump_timeout_s=30) as engine:
-            for name in ("A", "B", "A"):
-                t0 = time.perf_counter()
-                res = engine.capture([(f"{name}{len(rates)}-{i}", ids) for i, ids in enumerate(sets[name])])
-                took = time.perf_counter() - t0
-                for r in res.values():
-                    assert r.error is None, r.error
-                    r.capture.release()
-                rates.append({"set": name, "tok_s": round(sum(map(len, sets[name])) / took, 1)})
-                print(f"window {window}, set {name}: {rates[-1]['tok_s']:,.0f} tok/s", flush=True)
-        runs[str(window)] = rates
+        for _ in range(args.repeats):
+            for mode in modes:
+                rates = passes(dict(spec, env=MALLOC[mode]), window, sets, f"window {window}, malloc {mode}")
+                runs.setdefault(mode, {}).setdefault(str(window), []).append(rates)
     result = {
         "benchmark": "a CPU capture server on new prompts against prompts it has run (after the engine's warm-up)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
@@ -75,7 +97,8 @@ def main() -> None:
         "machine": machine(),
         "prompts_per_set": args.prompts,
         "tokens": {k: sum(map(len, v)) for k, v in sets.items()},
-        "passes_by_window": runs,
+        # malloc mode -> window -> one list of passes (A, B, A) per repeat
+        "passes_by_malloc_and_window": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
