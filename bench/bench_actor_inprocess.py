@@ -62,19 +62,19 @@ def main() -> None:
 
     import actors.extractor as extractor
     from bench.bare_hf import BareHFEngine
+    from conf import load_config
     from pipeline.driver.plan import default_aux_layers
     from pipeline.format.final_norm import read_final_norm
     from pipeline.format.shards import ShardLayout
     from pipeline.intake import model as model_lib
 
     extractor.ExtractorMetrics = _NoMetrics
+    cfg = load_config(str(ROOT / "conf" / "default.yaml"), [])  # short:N's source text, sglang's settings
     if str(args.model) == "default":
         args.model = model_lib.prepare_default_model()
     if args.prompts.startswith("short:"):
         from bench.bench_throughput import job_tokenizer, short_set
-        from conf import load_config
 
-        cfg = load_config(str(ROOT / "conf" / "default.yaml"), [])
         lines = (ROOT / cfg.input.path).read_text().splitlines()
         ids = short_set(job_tokenizer(cfg)[1], lines, int(args.prompts.split(":", 1)[1]), seed=0)
         prompts = [{"id": f"short-{i:04d}", "input_ids": x} for i, x in enumerate(ids)]
@@ -82,12 +82,12 @@ def main() -> None:
         prompts = [json.loads(line) for line in Path(args.prompts).open()]
     tokens = sum(len(p["input_ids"]) for p in prompts)
     aux = default_aux_layers(model_lib.num_hidden_layers(args.model))
-    layout = ShardLayout(aux, model_lib.hidden_size(args.model))
-    if args.engine == "sglang":
-        layout = ShardLayout(aux, model_lib.hidden_size(args.model), final_norm=read_final_norm(args.model))
+    # The SGLang engine stores the final layer before the norm, as the job does (the hf bench: after it).
+    final_norm = read_final_norm(args.model) if args.engine == "sglang" else None
+    layout = ShardLayout(aux, model_lib.hidden_size(args.model), final_norm=final_norm)
     warm = [(f"w{i}", p["input_ids"]) for i, p in enumerate(prompts[:32])]
     result = {
-        "benchmark": "extractor stage in-process (no Ray) vs the bare hf engine, same prompts",
+        "benchmark": f"extractor stage in-process (no Ray) vs the bare {args.engine} engine, same prompts",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "command": shlex.join(["python", "bench/bench_actor_inprocess.py"] + sys.argv[1:]),
         "prompts": len(prompts),
@@ -105,9 +105,7 @@ def main() -> None:
 
     if args.engine == "sglang":
         from actors.sglang.engine import SGLangEngine
-        from conf import load_config
 
-        cfg = load_config(str(ROOT / "conf" / "default.yaml"), [])
         cpu_threads = cfg.engine.cpu_threads or os.cpu_count() or 1
         engine_kwargs = SGLangEngine.kwargs_for(
             cfg.engine, str(args.model), aux, False, cpu_threads, layout.final_layer, layout.codec.layout
@@ -122,7 +120,7 @@ def main() -> None:
         engine_kwargs = dict(
             model_dir=str(args.model), aux_layers=aux, device=args.device, max_batch_tokens=args.max_batch_tokens
         )
-        with BareHFEngine(str(args.model), aux, device=args.device, max_batch_tokens=args.max_batch_tokens) as bare:
+        with BareHFEngine(**engine_kwargs) as bare:
             bare.capture(warm)
             bare.reset_stats()
             t0 = time.monotonic()
