@@ -149,8 +149,10 @@ class HFEngine:
         cpu_threads: int,
         final_layer: str = "post_norm",
         capture_layout: str = "planes",
+        max_prompt_tokens: int | None = None,
     ) -> dict:
-        """Constructor arguments from the engine's config section (conf.schema.HFEngineConfig)."""
+        """Constructor arguments from the engine's config section (conf.schema.HFEngineConfig).
+        `max_prompt_tokens` is not needed here: this engine allocates per batch, by max_batch_tokens."""
         return {
             "model_dir": model_dir,
             "aux_layers": tuple(aux_layers),

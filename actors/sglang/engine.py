@@ -27,7 +27,14 @@ import aiohttp
 
 from actors.dump import DumpError, dump_path, read_dump
 from actors.engine import EngineDied, GenerateResult, RequestResult
-from actors.sglang.server import RID_PREFIX, ServerSpec, SGLangServer, build_command, cpu_dtype_flags
+from actors.sglang.server import (
+    RID_PREFIX,
+    ServerSpec,
+    SGLangServer,
+    build_command,
+    cpu_dtype_flags,
+    cpu_kv_tokens,
+)
 from pipeline.format.lock import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -124,11 +131,17 @@ class SGLangEngine:
         capture_layout: str = "planes",
         capture: bool = True,
         generate_in_flight: int | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> dict:
         """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig).
         `capture_layout`: the dump body the output encodes from (actors/dump.py): bf16 planes, or fp8.
         `capture=False`: a server without the hook or aux capture, for generation only (regeneration), with
-        `generate_in_flight` generations in flight."""
+        `generate_in_flight` generations in flight.
+        `max_prompt_tokens`: the longest prompt the job sends (extract.max_tokens); a capturing CPU server's
+        KV pool is sized to it (server.cpu_kv_tokens). A generation server decodes, so it keeps the default."""
+        kv_tokens = None
+        if capture and not cuda and max_prompt_tokens:
+            kv_tokens = cpu_kv_tokens(cfg.max_in_flight, max_prompt_tokens)
         return {
             "spec_without_dump": {
                 "model_dir": model_dir,
@@ -145,6 +158,7 @@ class SGLangEngine:
                 "startup_timeout_s": cfg.startup_timeout_s,
                 "capture": capture,
                 "prefix_cache": not capture,  # generation only: turn k+1 reuses turn k's prefix
+                "kv_tokens": kv_tokens,
             },
             "max_in_flight": cfg.max_in_flight,
             "generate_in_flight": generate_in_flight or cfg.max_in_flight,

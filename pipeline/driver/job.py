@@ -69,6 +69,7 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
         cpu_threads,
         plan.layout.final_layer,
         plan.layout.codec.layout,
+        max_prompt_tokens=cfg.extract.max_tokens,
     )
     return dict(
         engine_name=cfg.engine.name,

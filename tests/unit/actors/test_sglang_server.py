@@ -108,6 +108,28 @@ def test_cpu_kv_pool_tolerates_other_allocations_and_is_capped_in_tokens():
     assert "--max-total-tokens" not in gpu and "--mem-fraction-static" not in gpu
 
 
+def test_a_capturing_cpu_servers_kv_pool_holds_the_window_at_the_longest_prompt():
+    from actors.sglang.engine import SGLangEngine
+    from conf.schema import SGLangEngineConfig
+
+    def pool(cfg, cuda=False, capture=True, longest=2048):
+        kwargs = SGLangEngine.kwargs_for(cfg, "/m", (1,), cuda, 2, capture=capture, max_prompt_tokens=longest)
+        cmd = build_command(ServerSpec(dump_dir=Path("/d"), **kwargs["spec_without_dump"]), 1)
+        return value_after(cmd, "--max-total-tokens") if "--max-total-tokens" in cmd else []
+
+    # Every request of the window at the longest prompt, with its one new token: none waits for room.
+    assert pool(SGLangEngineConfig(max_in_flight=16)) == [str(16 * 2049)]
+    assert pool(SGLangEngineConfig(max_in_flight=3), longest=100) == ["303"]
+    # Within the cap, yet never below one prompt of the longest length (which the cap alone could refuse).
+    assert pool(SGLangEngineConfig(max_in_flight=64), longest=8192) == [str(CPU_KV_TOKENS)]
+    assert pool(SGLangEngineConfig(max_in_flight=4), longest=2 * CPU_KV_TOKENS) == [str(2 * CPU_KV_TOKENS + 1)]
+    # A generation server decodes: it keeps the default pool; a GPU server sizes its own; a user's flag wins.
+    assert pool(SGLangEngineConfig(), capture=False) == [str(CPU_KV_TOKENS)]
+    assert pool(SGLangEngineConfig(), cuda=True) == []
+    assert pool(SGLangEngineConfig(server_flags=("--max-total-tokens", "4096"))) == ["4096"]
+    assert pool(SGLangEngineConfig(), longest=None) == [str(CPU_KV_TOKENS)]
+
+
 @pytest.mark.parametrize(
     "flags, fraction",
     [
