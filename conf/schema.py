@@ -298,6 +298,10 @@ class RayConfig(_Strict):
     address: str | None = None
     num_cpus: int | None = Field(None, ge=1)
     object_store_memory_mb: int | None = Field(None, ge=75)
+    # The dashboard of a Ray this job starts itself (no address). Its processes take ~3 % of a 2-core
+    # machine's CPU from the engine during a job (README, "Configuration"); off leaves the one-line status and the
+    # logs. A cluster's dashboard is the cluster's own setting.
+    dashboard: bool = True
 
 
 class HarvestConfig(_Strict):

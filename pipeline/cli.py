@@ -49,6 +49,7 @@ def _init_ray(cfg) -> float | None:
         kwargs["address"] = address
     else:
         kwargs["num_cpus"] = cfg.ray.num_cpus
+        kwargs["include_dashboard"] = cfg.ray.dashboard
         if cfg.ray.object_store_memory_mb:
             kwargs["object_store_memory"] = cfg.ray.object_store_memory_mb * 2**20
     ray.init(**kwargs)

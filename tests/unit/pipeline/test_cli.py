@@ -1,3 +1,5 @@
+from pathlib import Path
+
 from pipeline.cli import main
 
 
@@ -98,3 +100,19 @@ def test_regenerate_needs_a_generate_section_and_run_an_output(tmp_path, capsys)
     conf.write_text("input: {path: in.jsonl}\ngenerate: {output: regen}\n")
     assert main(["run", str(conf)]) == 2
     assert "needs an output section" in capsys.readouterr().err
+
+
+def test_a_local_ray_starts_with_the_configured_dashboard_and_a_cluster_is_left_its_own(monkeypatch):
+    import ray
+
+    from conf import load_config
+    from pipeline import cli
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for sets in ([], ["ray.dashboard=false"], ["ray.address=ray://head:10001", "ray.dashboard=false"]):
+        cli._init_ray(load_config(str(Path(__file__).parents[3] / "conf" / "default.yaml"), sets))
+    assert [c.get("include_dashboard") for c in calls] == [True, False, None]
+    assert calls[2]["address"] == "ray://head:10001"
