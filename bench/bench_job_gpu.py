@@ -190,6 +190,7 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
                         "tok_s": round(tokens / dt, 1),
                         "us_per_padded_token": us_per_padded_token(s),
                         "device_layer_excess_s": s.get("device_layer_excess_s"),
+                        "device_allocator": s.get("device_allocator"),
                         "window_unix": [round(start_unix, 3), round(time.time(), 3)],
                     }
                 )
@@ -434,6 +435,20 @@ def forward_summary(rows: list[dict]) -> dict:
         }
 
     out = agg(rows)
+    # Which layers waited (the engine logs those a millisecond or more beyond their forward's median): the
+    # first layer waits on the forward's own start, a layer deep in the stack on a stall of the launching thread.
+    by_layer: dict[int, float] = {}
+    for r in rows:
+        for i, ms in r.get("slow_layers", []):
+            by_layer[i] = by_layer.get(i, 0.0) + ms
+    if by_layer:
+        top = sorted(by_layer.items(), key=lambda kv: -kv[1])[:8]
+        out["slow_layers_ms"] = {
+            "first_layer": round(by_layer.get(0, 0.0), 1),
+            "other_layers": round(sum(v for k, v in by_layer.items() if k), 1),
+            "forwards_with_a_slow_layer": sum(1 for r in rows if r.get("slow_layers")),
+            "top": {str(k): round(v, 1) for k, v in top},
+        }
     # Forwards whose host launch overlapped a batch's pinned allocation on the finisher thread, and the rest:
     # where the allocation holds up the launches, the first group's layers wait longer.
     allocs = [

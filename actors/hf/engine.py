@@ -104,6 +104,21 @@ FORWARD_LOG_ENV = "HIDDEN_HARVEST_FORWARD_LOG"
 PINNED_SLABS_ENV = "HIDDEN_HARVEST_PINNED_SLABS"
 
 
+def _allocator_counts() -> dict:
+    """Counters of torch's CUDA caching allocator that say the device's memory was mapped or unmapped."""
+    import torch
+
+    if not torch.cuda.is_initialized():  # nothing allocated yet (and no device to ask on a CPU host)
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {
+        "device_mallocs": int(stats.get("num_device_alloc", 0)),
+        "device_frees": int(stats.get("num_device_free", 0)),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "cache_flushes": int(stats.get("num_sync_all_streams", 0)),
+    }
+
+
 def layer_excess_ms(layers: list, norm) -> float:
     """Device milliseconds a forward's layers ran beyond its median layer's time, from the events recorded
     at each layer's start and at the final norm: every layer of a uniform stack does the same work, so this
@@ -113,6 +128,15 @@ def layer_excess_ms(layers: list, norm) -> float:
         return 0.0
     ms = [a.elapsed_time(b) for a, b in zip(layers, [*layers[1:], norm])]
     return sum(ms) - len(ms) * float(np.median(ms))
+
+
+def slow_layers(layers: list, norm, over_ms: float = 1.0) -> list[list]:
+    """[index, ms beyond the median layer] of each layer that ran `over_ms` or more beyond it."""
+    if not layers:
+        return []
+    ms = [a.elapsed_time(b) for a, b in zip(layers, [*layers[1:], norm])]
+    mid = float(np.median(ms))
+    return [[i, round(t - mid, 2)] for i, t in enumerate(ms) if t - mid >= over_ms]
 
 
 class HFEngine:
@@ -229,6 +253,7 @@ class HFEngine:
         self._done: queue.Queue = queue.Queue(maxsize=1)  # batches whose copy is in flight (CUDA)
         self._failure: BaseException | None = None
         self._slabs: PinnedSlabs | None = None  # CUDA: the copies' pinned buffers, made at the first copy
+        self._alloc_base: dict = {}  # CUDA: the allocator's counters at the last reset_stats
         self._slab_limit = int(os.environ.get(PINNED_SLABS_ENV, self.PINNED_SLABS))
         self._hooks: list = []  # the engine's own (device clock); the decoder keeps its capture hooks
         # On CUDA, start() puts the Triton kernel here where it matches; fp8 quantizes with torch ops.
@@ -459,6 +484,7 @@ class HFEngine:
         self._prev_end = None
         if self._slabs is not None:
             self._slabs.misses = 0
+        self._alloc_base = _allocator_counts() if self.cuda else {}
         if self._forward_log is not None:  # readers keep the forwards after the last reset (not the warm-up)
             self._forward_log.write('{"reset": true}\n')
 
@@ -477,10 +503,18 @@ class HFEngine:
             **({"fill_floor_launch_ms": round(1000 * median(self._floor.launch_s), 1)} if self._floor.launch_s else {}),
             # Batches that found no free pinned slab and allocated their own (CUDA).
             **({"pinned_slabs": self._slabs.allocated, "pinned_misses": self._slabs.misses} if self._slabs else {}),
+            **({"device_allocator": self._allocator_since_reset()} if self.cuda else {}),
             "first_forward_unix": self.first_forward_unix,
             "last_done_unix": self.last_done_unix,
             "start": dict(self.phases),
         }
+
+    def _allocator_since_reset(self) -> dict:
+        """The caching allocator's calls into the driver since the last reset. A cudaFree makes the host wait
+        for the device to drain, after which the device waits on the host's next launches: a job whose
+        forwards free and map device memory loses device time that the warm bare engine does not."""
+        now = _allocator_counts()
+        return {k: v - self._alloc_base.get(k, 0) for k, v in now.items()}
 
     def close(self) -> None:
         if self.batches:
@@ -785,6 +819,10 @@ class HFEngine:
                         "layer_excess_ms": round(excess_ms, 3),
                         "between_ms": None if between_ms is None else round(between_ms, 3),
                         "lead_under_a_layer": marks.get("lead_under_a_layer", 0),
+                        # Where in the forward the device waited: the layers that ran a millisecond or more
+                        # beyond the median, [index, ms over it] (layer 0 waits on what the forward's start
+                        # costs the host, a layer deep in the stack on a stall of the launching thread).
+                        "slow_layers": slow_layers(marks.get("layers", []), norm),
                         "host_ms": round(1000 * marks.get("host_forward_s", 0.0), 3),
                     }
                 )

@@ -109,7 +109,8 @@ def quantize(bits: np.ndarray, block: int) -> np.ndarray:
     t, w = x.shape
     blocks = x.reshape(t, w // block, block)
     scale = fp8_scale(np.abs(blocks).max(axis=2))
-    y = np.clip(blocks / scale[..., None], -FP8_MAX, FP8_MAX).reshape(t, w)
+    with np.errstate(invalid="ignore"):  # an infinite block divides inf by inf: NaN, as torch's cast gives
+        y = np.clip(blocks / scale[..., None], -FP8_MAX, FP8_MAX).reshape(t, w)
     # Nearest e4m3 value by search in the sorted table of finite magnitudes (ties: the even code).
     mags = E4M3[:0x7F]  # codes 0x00..0x7E, increasing
     a = np.abs(y)

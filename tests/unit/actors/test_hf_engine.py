@@ -15,7 +15,7 @@ import torch
 
 from actors.engine import EngineDied
 from actors.hf.batching import BatchPolicy, FillFloor, fill_share, take_batch
-from actors.hf.engine import HFEngine, _ids_sha256, _Request, _Staged, layer_excess_ms
+from actors.hf.engine import HFEngine, _ids_sha256, _Request, _Staged, layer_excess_ms, slow_layers
 from actors.hf.reference import ReferenceStates
 from actors.validate import check_capture
 
@@ -186,9 +186,12 @@ class _Ev:  # a CUDA event on a fake clock (ms)
 
 def test_layer_excess_is_the_time_beyond_the_median_layer():
     """Every layer of a uniform stack does the same work: a layer that took longer waited on the device."""
-    layers = [_Ev(0), _Ev(10), _Ev(20), _Ev(45), _Ev(55)]  # the fourth layer ran 25 ms, the others 10
+    layers = [_Ev(0), _Ev(10), _Ev(20), _Ev(45), _Ev(55)]  # the third layer ran 25 ms, the others 10
     assert layer_excess_ms(layers, _Ev(65)) == pytest.approx(15.0)
     assert layer_excess_ms([], _Ev(65)) == 0.0
+    assert slow_layers(layers, _Ev(65)) == [[2, 15.0]]
+    assert slow_layers(layers, _Ev(65), over_ms=20) == []
+    assert slow_layers([], _Ev(65)) == []
 
 
 def test_device_time_counts_layer_excess_and_a_short_lead_and_logs_each_forward(tmp_path):
@@ -206,6 +209,7 @@ def test_device_time_counts_layer_excess_and_a_short_lead_and_logs_each_forward(
     reset, forward = (json.loads(x) for x in log.read_text().splitlines())
     assert reset == {"reset": True}
     assert (forward["rows"], forward["t"], forward["lengths"]) == (2, 7, [7, 5])
+    assert forward["slow_layers"] == [[1, 10.0]]  # the second layer ran 20 ms against a median of 10
     assert (forward["device_ms"], forward["layer_excess_ms"], forward["host_ms"], forward["pin_alloc_ms"]) == (
         40,
         10,
