@@ -10,6 +10,10 @@ while the plain baseline sweeps its windows over the same prompts: if repeated p
 baseline would be one no job could reach. It also shows whether a fresh engine's first pass is slower than its
 later ones (the engine's warm-up is there to make it not).
 
+--onednn: the server logs oneDNN's primitive creation (ONEDNN_VERBOSE=profile_create), and each pass records
+how many matmul primitives it created and the milliseconds that took: oneDNN builds a primitive for each new
+matmul shape, and a prefill batch's row count is its token count, which a new prompt mix rarely repeats.
+
 --malloc: the server's glibc malloc settings, each on its own fresh engine: `tuned` (the engine's default on the
 CPU, actors/sglang/server.py CPU_MALLOC_ENV) and `glibc` (glibc's own defaults: the spec sets MALLOC_PERTURB_=0,
 which changes nothing but keeps the engine's settings out). With --repeats R the modes alternate R times.
@@ -47,10 +51,22 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 MALLOC = {"tuned": {}, "glibc": {"MALLOC_PERTURB_": "0"}}
 
 
+def onednn_creations(log: Path, offset: int) -> tuple[dict, int]:
+    """Primitive creations oneDNN logged after byte `offset` of the server's log: count and milliseconds."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    ms = [float(x.rsplit(",", 1)[1]) for x in text.splitlines() if ",create:cache_miss," in x]
+    return {"primitives_created": len(ms), "create_ms": round(sum(ms), 1)}, offset + len(text.encode())
+
+
 def passes(spec: dict, window: int, sets: dict, label: str) -> list[dict]:
     """Sets A, B, A through one fresh engine; tok/s of each pass."""
     rates = []
+    onednn = spec.get("env", {}).get("ONEDNN_VERBOSE") == "profile_create"
     with SGLangEngine(spec, max_in_flight=window, request_timeout_s=600, dump_timeout_s=30) as engine:
+        log = engine.server._log_path
+        offset = log.stat().st_size
         for name in ("A", "B", "A"):
             t0 = time.perf_counter()
             res = engine.capture([(f"{name}{len(rates)}-{i}", ids) for i, ids in enumerate(sets[name])])
@@ -58,8 +74,11 @@ def passes(spec: dict, window: int, sets: dict, label: str) -> list[dict]:
             for r in res.values():
                 assert r.error is None, r.error
                 r.capture.release()
-            rates.append({"set": name, "tok_s": round(sum(map(len, sets[name])) / took, 1)})
-            print(f"{label}, set {name}: {rates[-1]['tok_s']:,.0f} tok/s", flush=True)
+            rates.append({"set": name, "tok_s": round(sum(map(len, sets[name])) / took, 1), "seconds": round(took, 2)})
+            if onednn:
+                created, offset = onednn_creations(log, offset)
+                rates[-1].update(created)
+            print(f"{label}, set {name}: {rates[-1]}", flush=True)
     return rates
 
 
@@ -69,6 +88,7 @@ def main() -> None:
     ap.add_argument("--windows", default="8,16")
     ap.add_argument("--malloc", default="tuned", help="comma-separated: tuned (the engine's default), glibc")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--onednn", action="store_true", help="count oneDNN's primitive creations in each pass")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "server_warmth_cpu.json")
     args = ap.parse_args()
     model = prepare_default_model()
@@ -88,7 +108,8 @@ def main() -> None:
     for window in [int(w) for w in args.windows.split(",")]:
         for _ in range(args.repeats):
             for mode in modes:
-                rates = passes(dict(spec, env=MALLOC[mode]), window, sets, f"window {window}, malloc {mode}")
+                env = MALLOC[mode] | ({"ONEDNN_VERBOSE": "profile_create"} if args.onednn else {})
+                rates = passes(dict(spec, env=env), window, sets, f"window {window}, malloc {mode}")
                 runs.setdefault(mode, {}).setdefault(str(window), []).append(rates)
     result = {
         "benchmark": "a CPU capture server on new prompts against prompts it has run (after the engine's warm-up)",
