@@ -119,22 +119,25 @@ def _allocator_counts() -> dict:
     }
 
 
+def layer_ms(layers: list, norm) -> list[float]:
+    """Each layer's device milliseconds, from the events recorded at every layer's start and at the final norm."""
+    return [a.elapsed_time(b) for a, b in zip(layers, [*layers[1:], norm])]
+
+
 def layer_excess_ms(layers: list, norm) -> float:
     """Device milliseconds a forward's layers ran beyond its median layer's time, from the events recorded
     at each layer's start and at the final norm: every layer of a uniform stack does the same work, so this
     is time the device spent waiting inside the forward (for MoE stacks with dense layers it also holds
     their real difference)."""
-    if not layers:
-        return 0.0
-    ms = [a.elapsed_time(b) for a, b in zip(layers, [*layers[1:], norm])]
-    return sum(ms) - len(ms) * float(np.median(ms))
+    ms = layer_ms(layers, norm)
+    return sum(ms) - len(ms) * float(np.median(ms)) if ms else 0.0
 
 
 def slow_layers(layers: list, norm, over_ms: float = 1.0) -> list[list]:
     """[index, ms beyond the median layer] of each layer that ran `over_ms` or more beyond it."""
-    if not layers:
+    ms = layer_ms(layers, norm)
+    if not ms:
         return []
-    ms = [a.elapsed_time(b) for a, b in zip(layers, [*layers[1:], norm])]
     mid = float(np.median(ms))
     return [[i, round(t - mid, 2)] for i, t in enumerate(ms) if t - mid >= over_ms]
 
@@ -820,8 +823,8 @@ class HFEngine:
                         "between_ms": None if between_ms is None else round(between_ms, 3),
                         "lead_under_a_layer": marks.get("lead_under_a_layer", 0),
                         # Where in the forward the device waited: the layers that ran a millisecond or more
-                        # beyond the median, [index, ms over it] (layer 0 waits on what the forward's start
-                        # costs the host, a layer deep in the stack on a stall of the launching thread).
+                        # beyond the median, [index, ms over it]. A wait at layer 0 and one deep in the stack
+                        # point at different host events (the forward's start, a stall of the launching thread).
                         "slow_layers": slow_layers(marks.get("layers", []), norm),
                         "host_ms": round(1000 * marks.get("host_forward_s", 0.0), 3),
                     }
