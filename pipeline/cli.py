@@ -33,6 +33,18 @@ def _setup_logging() -> None:
     )
 
 
+def _dashboard_installed() -> bool:
+    """Whether this Ray can start its dashboard; a minimal Ray (no `ray[default]`) refuses to start at all when asked."""
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401  (the import Ray itself checks before starting one)
+    except ImportError as e:
+        logger.warning(
+            "ray.dashboard: this Ray has no dashboard (%s; it comes with ray[default]): starting without it", e
+        )
+        return False
+    return True
+
+
 def _init_ray(cfg) -> float | None:
     """Starts or joins the cluster; the seconds it took, or None when this process already had Ray."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -49,7 +61,7 @@ def _init_ray(cfg) -> float | None:
         kwargs["address"] = address
     else:
         kwargs["num_cpus"] = cfg.ray.num_cpus
-        kwargs["include_dashboard"] = cfg.ray.dashboard
+        kwargs["include_dashboard"] = cfg.ray.dashboard and _dashboard_installed()
         if cfg.ray.object_store_memory_mb:
             kwargs["object_store_memory"] = cfg.ray.object_store_memory_mb * 2**20
     ray.init(**kwargs)

@@ -116,3 +116,23 @@ def test_a_local_ray_starts_with_the_configured_dashboard_and_a_cluster_is_left_
         cli._init_ray(load_config(str(Path(__file__).parents[3] / "conf" / "default.yaml"), sets))
     assert [c.get("include_dashboard") for c in calls] == [True, False, None]
     assert calls[2]["address"] == "ray://head:10001"
+
+
+def test_a_minimal_ray_starts_without_the_dashboard_and_says_why(monkeypatch, caplog):
+    import sys
+
+    import ray
+
+    from conf import load_config
+    from pipeline import cli
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # A Ray without ray[default]: the module Ray checks for its dashboard's dependencies cannot be imported.
+    monkeypatch.setitem(sys.modules, "ray.dashboard.optional_deps", None)
+    with caplog.at_level("WARNING", logger="harvest"):
+        cli._init_ray(load_config(str(Path(__file__).parents[3] / "conf" / "default.yaml"), []))
+    assert calls[0]["include_dashboard"] is False
+    assert "starting without it" in caplog.text
