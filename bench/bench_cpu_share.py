@@ -51,7 +51,10 @@ def role(p: psutil.Process) -> str:
     if cmd.startswith("ray::"):  # Ray's workers carry their task or actor in their process title (argv)
         if "HiddenStateExtractor" in cmd:
             return "actor"
-        return "ray agents" if "Agent" in cmd.split()[0] else "ray other workers"
+        if "Agent" in cmd.split()[0]:
+            return "ray agents"
+        # By title (ray::IDLE, a Ray Data map worker, the tokenizer's actors): which of Ray's workers take the CPU.
+        return f"ray worker {cmd.split()[0].removeprefix('ray::').split('(')[0]}"
     if name in ("gcs_server", "raylet"):
         return f"ray {name.replace('_server', '')}"
     if "dashboard" in cmd:
@@ -78,7 +81,7 @@ class Sampler:
                         continue
                     # A worker starts under the interpreter's name and takes its task's title later: looked
                     # at again until it has a role of its own.
-                    if roles.get(p.pid, "other") in ("other", "ray other workers"):
+                    if roles.get(p.pid, "other") == "other" or roles[p.pid].startswith("ray worker"):
                         roles[p.pid] = role(p)
                     t = p.cpu_times()
                     snap[p.pid] = (roles[p.pid], t.user + t.system, t.system, p.nice())
