@@ -479,6 +479,8 @@ def replay(model_dir: Path, rows: list[dict], device: str, aux: list[int], passe
     groups = [r["lengths"] for r in rows]
 
     class Replay(BareHFEngine):
+        next_group = 0  # the engine's own warm-up takes a batch before the replay sets this
+
         def _take(self, pool):
             # The next logged forward's requests, as the job's engine took them.
             want = f"f{self.next_group}-"
