@@ -479,9 +479,11 @@ def replay(model_dir: Path, rows: list[dict], device: str, aux: list[int], passe
     groups = [r["lengths"] for r in rows]
 
     class Replay(BareHFEngine):
-        next_group = 0  # the engine's own warm-up takes a batch before the replay sets this
+        next_group = 0
 
         def _take(self, pool):
+            if not any(r.key.startswith("f") for r in pool):  # the engine's own warm-up, before the replay
+                return super()._take(pool)
             # The next logged forward's requests, as the job's engine took them.
             want = f"f{self.next_group}-"
             batch = [r for r in pool if r.key.startswith(want)]
