@@ -50,6 +50,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -221,6 +222,12 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
     }
 
 
+def job_log_lines(output: str, most: int = 20) -> list[str]:
+    """The job's own warnings and errors and its start-up line, from its output (logging's format in cli.py)."""
+    ours = re.compile(r" (WARNING|ERROR) (harvest|pipeline|actors|conf)[.:]| start-up: ")
+    return [line for line in output.splitlines() if ours.search(line)][-most:]
+
+
 def engine_only(model_dir: Path, prompts: list[list[int]], batch_tokens: int, device: str, aux: list[int]) -> dict:
     """The capturing engine alone, then with the actor's encoding (16 threads, no disk): where time goes."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -385,6 +392,9 @@ def job(
         "verify_passed": None if ver is None else ver.returncode == 0,
         "verify_seconds": round(verify_s, 1),
         "verify_tail": "" if ver is None else ver.stdout[-600:],
+        # What the job itself said beyond its figures: its warnings (a dashboard it started without, a
+        # config it corrected) and where its start-up went.
+        "job_log": job_log_lines(proc.stdout + proc.stderr),
     }
     engines = [a.get("engine") or {} for a in (lr.get("per_actor") or {}).values()]
     result["us_per_padded_token"] = [us_per_padded_token(e) for e in engines]
