@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_throughput import job_tokenizer, machine, short_set  # noqa: E402
-from plain_sglang import plain_server, sweep  # noqa: E402
+from plain_sglang import USER_FLAGS, plain_server, sweep  # noqa: E402
 
 from actors.sglang.server import ServerSpec  # noqa: E402
 from conf.schema import load_config  # noqa: E402
@@ -51,10 +51,11 @@ def role(p: psutil.Process) -> str:
     if cmd.startswith("ray::"):  # Ray's workers carry their task or actor in their process title (argv)
         if "HiddenStateExtractor" in cmd:
             return "actor"
-        if "Agent" in cmd.split()[0]:
+        title = cmd.split()[0]
+        if "Agent" in title:
             return "ray agents"
         # By title (ray::IDLE, a Ray Data map worker, the tokenizer's actors): which of Ray's workers take the CPU.
-        return f"ray worker {cmd.split()[0].removeprefix('ray::').split('(')[0]}"
+        return f"ray worker {title.removeprefix('ray::').split('(')[0]}"
     if name in ("gcs_server", "raylet"):
         return f"ray {name.replace('_server', '')}"
     if "dashboard" in cmd:
@@ -166,7 +167,7 @@ def plain(model_dir: Path, samples: list[list[int]], window: int = 16) -> dict:
     """The plain server alone, sampled over one pass of the prompts at `window` in flight."""
     with tempfile.TemporaryDirectory() as logs:  # the server's log goes there
         spec = ServerSpec(model_dir=model_dir, aux_layers=(), dump_dir=Path(logs), cpu_threads=os.cpu_count())
-        with Sampler() as s, plain_server(spec, ("--mem-fraction-static", "0.2")) as server:
+        with Sampler() as s, plain_server(spec, USER_FLAGS) as server:
             t0 = time.time()  # sweep() warms the server with 4 prompts first: ~1 s of this window
             rate = sweep(server.url, samples, [window])[window]
             t1 = time.time()

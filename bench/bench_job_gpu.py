@@ -489,8 +489,6 @@ def replay(model_dir: Path, rows: list[dict], device: str, aux: list[int], passe
     groups = [r["lengths"] for r in rows]
 
     class Replay(BareHFEngine):
-        next_group = 0
-
         def _take(self, pool):
             if not any(r.key.startswith("f") for r in pool):  # the engine's own warm-up, before the replay
                 return super()._take(pool)

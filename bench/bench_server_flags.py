@@ -11,8 +11,8 @@ Variants (each a real `sglang.launch_server`; the CPU stand-in and env as actors
   plain-kv:  plain plus the project's KV sizing (--mem-fraction-static, --max-total-tokens)
   project:   the project's bare spec (ServerSpec(capture=False), bench/bench_throughput.py's baseline until 2026-12)
   capture:   the job's server (aux capture, the hook; dumps are written and left unread)
-  stock:     bench/bench_throughput.py's plain baseline exactly: plain's flags plus --mem-fraction-static 0.2,
-             and the environment without any of the project's settings (bench/plain_sglang.py, plain_env)
+  stock:     bench/bench_throughput.py's plain baseline exactly (bench/plain_sglang.py's plain_server with
+             USER_FLAGS): plain's flags plus --mem-fraction-static 0.2, none of the project's environment
 A variant may be named more than once (plain,capture,plain,capture): each is a fresh server, in that order, and
 `servers` lists every one with all its passes. --passes N sweeps the windows N times on the same server: on a
 2-core host one server's passes over the same prompts spread by 10 % and more, which a single pass hides.
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from plain_sglang import plain_env, send_all  # noqa: E402
+from plain_sglang import USER_FLAGS, plain_server, send_all  # noqa: E402
 
 import actors.sglang.server as server_mod  # noqa: E402
 from actors.sglang.server import CPU_KV_TOKENS, CPU_MEM_FRACTION, ServerSpec, SGLangServer  # noqa: E402
@@ -77,15 +77,13 @@ def command_for(variant: str, model: Path):
     project = server_mod.build_command
 
     def build(spec, port):
-        if not variant.startswith(("plain", "stock")):
+        if not variant.startswith("plain"):
             return project(spec, port)
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--device", "cpu", "--attention-backend", "torch_native"]
         cmd += ["--disable-cuda-graph", "--disable-radix-cache"]
         if variant == "plain-kv":
             cmd += ["--mem-fraction-static", CPU_MEM_FRACTION, "--max-total-tokens", str(CPU_KV_TOKENS)]
-        if variant == "stock":
-            cmd += ["--mem-fraction-static", "0.2"]
         return cmd
 
     return build
@@ -114,21 +112,19 @@ def main() -> None:
         "servers": [],
     }
     aux = default_aux_layers(num_hidden_layers(model))
-    project_build, project_env = server_mod.build_command, server_mod.build_env
+    project_build = server_mod.build_command
     for variant in args.variants.split(","):
         server_mod.build_command = command_for(variant, model)
-        if variant == "stock":
-            server_mod.build_env = plain_env
         try:
             with tempfile.TemporaryDirectory() as d:
                 spec = ServerSpec(
                     model_dir=model, aux_layers=tuple(aux), dump_dir=Path(d), capture=variant == "capture"
                 )
                 t0 = time.monotonic()
-                with SGLangServer(spec) as server:
+                with plain_server(spec, USER_FLAGS) if variant == "stock" else SGLangServer(spec) as server:
                     entry = {
                         "startup_s": round(time.monotonic() - t0, 1),
-                        "flags": server_mod.build_command(spec, 0)[3:],
+                        "flags": server_mod.build_command(server.spec, 0)[3:],
                     }
                     asyncio.run(send_all(server.url, samples[:4], 4))  # warm-up
                     passes = []
@@ -139,7 +135,7 @@ def main() -> None:
                             entry[f"tok_s_at_{window}"] = rate  # the last pass at this window
                             print(variant, window, rate, flush=True)
         finally:
-            server_mod.build_command, server_mod.build_env = project_build, project_env
+            server_mod.build_command = project_build
         entry["flags"] = [f for f in entry["flags"] if not f.startswith("/")]
         result["variants"][variant] = entry
         result["servers"].append({"variant": variant, "startup_s": entry["startup_s"], "passes": passes})

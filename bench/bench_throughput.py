@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from plain_sglang import plain_sweeps  # noqa: E402
+from plain_sglang import USER_FLAGS, plain_sweeps  # noqa: E402
 
 from actors.sglang.server import ServerSpec, cpu_has_bf16_matmul  # noqa: E402
 from conf import load_config  # noqa: E402
@@ -232,7 +232,7 @@ def main() -> None:
         help="another job after the default one in every repeat, with these settings as well",
     )
     ap.add_argument("--windows", default="8,16,32", help="the plain server's in-flight windows")
-    ap.add_argument("--plain-flags", default="--mem-fraction-static 0.2", help="what a user adds to the plain server")
+    ap.add_argument("--plain-flags", default=shlex.join(USER_FLAGS), help="what a user adds to the plain server")
     ap.add_argument("--dtype", default=None, help="compute dtype of both (plain --dtype, job engine.server_flags)")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--short-only", action="store_true")

@@ -25,6 +25,10 @@ import actors.sglang.server as server_mod
 from actors.sglang.server import ServerSpec, SGLangServer
 from patches.sglang import server_pythonpath
 
+# What a user adds to a plain server on a small machine: SGLang's default reserves most of its memory for the
+# KV cache. The plain baseline's flags wherever a benchmark does not take them from its command line.
+USER_FLAGS = ("--mem-fraction-static", "0.2")
+
 
 def plain_command(spec: ServerSpec, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(spec.model_dir), "--host", "127.0.0.1"]
