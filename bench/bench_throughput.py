@@ -24,7 +24,8 @@ ratio_vs_plain = job after engine start / best plain; ratio_vs_plain_end_to_end 
 sweep on a fresh server), every figure is the median of R, and each repeat's own ratio is kept
 (ratio_vs_plain_per_repeat): a 2-core machine's speed drifts between passes. --variant NAME:K=V,... runs
 another job after the default one in every repeat (e.g. `idle_off:ray.idle_daemons=off`), summarized the same
-way under the set's `variants`.
+way under the set's `variants`. A KEY without a section is an environment variable of that job's processes
+(e.g. `workers0:RAY_worker_niceness=0`).
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ SHORT_MIN, SHORT_MAX = 48, 1024
 
 def run_job(config: str, input_path: str, job_set: list[str], label: str) -> dict:
     """The job as a user runs it, into a fresh output; figures from manifest.json's last_run."""
+    # A KEY without a section (e.g. RAY_worker_niceness=0) is an environment variable of the job's processes.
+    env = dict(os.environ) | dict(item.split("=", 1) for item in job_set if "." not in item.split("=", 1)[0])
+    job_set = [item for item in job_set if "." in item.split("=", 1)[0]]
     with tempfile.TemporaryDirectory() as out:
         # Passthrough first: the input and output paths set last always win.
         sets = [*job_set, f"output.path={out}/o", f"input.path={input_path}"]
         cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *(a for item in sets for a in ("--set", item))]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
         manifest = Path(out) / "o" / "manifest.json"
         if proc.returncode != 0 or not manifest.is_file():
