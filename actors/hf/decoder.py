@@ -53,6 +53,16 @@ def _skip_packed_check() -> None:
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
+# Where torch's scaled-dot-product attention may use cuDNN's kernel on CUDA (its default pick on Hopper):
+# "always" leaves the choice to torch; "warm" lets it only for a forward shape this decoder has run before.
+# cuDNN builds an execution plan for every new shape (batch, length) on the launching thread, ~300 ms of host
+# time on the H100 with torch 2.14 (bench/results/first_layer_h100.json), and a job's forwards almost never
+# repeat a shape, so every one of them paid it in its first layer while the device ran dry. A new shape runs
+# the flash kernel instead, which needs no plan; a shape that comes back has shown it recurs, and gets
+# cuDNN's (faster) kernel from then on.
+CUDNN_ATTENTION = ("always", "warm")
+
+
 def _first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -90,9 +100,14 @@ class Decoder:
         final_layer: str = "post_norm",
         routes: bool = False,
         flips: bool = False,
+        cudnn_attention: str = "always",
     ):
         if final_layer not in ("post_norm", "pre_norm"):
             raise ValueError(f"final_layer {final_layer!r}: post_norm or pre_norm")
+        if cudnn_attention not in CUDNN_ATTENTION:
+            raise ValueError(f"cudnn_attention {cudnn_attention!r}: one of {', '.join(CUDNN_ATTENTION)}")
+        self.cudnn_attention = cudnn_attention
+        self._shapes_run: set[tuple[int, ...]] = set()  # forward shapes run before ("warm")
         self.final_layer = final_layer
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
@@ -225,7 +240,11 @@ class Decoder:
         self._keeping = keep
         _unpacked.active = True
         try:
-            with torch.inference_mode(), packing.active(spans) if packed else contextlib.nullcontext():
+            with (
+                torch.inference_mode(),
+                packing.active(spans) if packed else contextlib.nullcontext(),
+                self._attention(ids.shape),
+            ):
                 tensors = [torch.from_numpy(a) for a in (ids, positions) if a is not None]
                 if pin:
                     tensors = [t.pin_memory() for t in tensors]
@@ -236,6 +255,18 @@ class Decoder:
             self._keeping = False
             _unpacked.active = False
         return ids
+
+    def _attention(self, shape: tuple[int, ...]):
+        """The attention kernels this forward may use (CUDNN_ATTENTION). The choice is process-wide in torch
+        (`sdpa_kernel` sets global flags until it exits): one forward thread per process runs these."""
+        if self.cudnn_attention == "always" or not str(self.device).startswith("cuda"):
+            return contextlib.nullcontext()
+        if shape in self._shapes_run:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        self._shapes_run.add(shape)
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def outputs(self) -> tuple[list, object]:
         """The last kept forward's aux layer outputs [B, T, H] each and final-norm output [B, T, H] (device tensors)."""

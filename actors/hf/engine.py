@@ -190,6 +190,7 @@ class HFEngine:
             "cpu_threads": cpu_threads,
             "fill_floor": cfg.fill_floor,
             "packing": cfg.packing,
+            "cudnn_attention": cfg.cudnn_attention,
         }
 
     @classmethod
@@ -202,6 +203,7 @@ class HFEngine:
             "device": kwargs["device"],
             "dtype": "bfloat16",
             "max_batch_tokens": kwargs["max_batch_tokens"],
+            **({"cudnn_attention": kwargs.get("cudnn_attention", "warm")} if cuda else {}),
         }
 
     # Captures are stored as bf16, and the model runs in it (a float reference is reference.py's).
@@ -221,6 +223,7 @@ class HFEngine:
         capture_layout: str = "planes",
         fill_floor: float | str | None = None,
         packing: str = "off",
+        cudnn_attention: str = "warm",
     ):
         if capture_layout not in ("planes", "fp8"):
             raise ValueError(f"capture_layout {capture_layout!r}: planes or fp8")
@@ -231,7 +234,15 @@ class HFEngine:
         self.device = device
         self.final_layer = final_layer
         self.capture_layout = capture_layout
-        self.decoder = Decoder(self.model_dir, self.aux_layers, device, self.dtype, attn_implementation, final_layer)
+        self.decoder = Decoder(
+            self.model_dir,
+            self.aux_layers,
+            device,
+            self.dtype,
+            attn_implementation,
+            final_layer,
+            cudnn_attention=cudnn_attention,
+        )
         self.cuda = device.startswith("cuda")
         self.max_batch_tokens = max_batch_tokens
         # engine.fill_floor: a share of max_batch_tokens, "measured" (on CUDA from the warm-up, then from

@@ -632,3 +632,46 @@ def test_an_fp8_capture_is_the_codecs_quantization_of_the_bf16_capture(model_dir
         aux, last = ref.bits()
         np.testing.assert_array_equal(cap.aux, codec.body_from_bits(aux))
         np.testing.assert_array_equal(cap.last, codec.body_from_bits(last))
+
+
+def test_cudnn_attention_is_kept_from_a_forward_shape_until_it_comes_back():
+    """"warm": a new forward shape runs without cuDNN's attention (whose per-shape plan would be built on the
+    forward thread), the same shape again with torch's own choice; "always" and a CPU never narrow it."""
+    from actors.hf.decoder import Decoder
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    dec = Decoder("m", AUX, "cuda", "bfloat16", cudnn_attention="warm")  # nothing loaded: the policy alone
+    with dec._attention((4, 512)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored once the forward is done
+    with dec._attention((4, 512)):  # the shape came back: torch decides
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    with dec._attention((4, 513)):  # another length is another shape
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    for other in (
+        Decoder("m", AUX, "cuda", "bfloat16", cudnn_attention="always"),
+        Decoder("m", AUX, "cpu", "bfloat16", cudnn_attention="warm"),
+    ):
+        with other._attention((2, 64)):
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+    with pytest.raises(ValueError, match="cudnn_attention 'never'"):
+        Decoder("m", AUX, "cuda", "bfloat16", cudnn_attention="never")
+
+
+def test_cudnn_attention_comes_from_the_config_and_is_recorded_on_cuda():
+    from bench.bare_hf import BareHFEngine
+    from conf import load_config
+
+    for value in ("warm", "always"):
+        cfg = load_config("conf/default.yaml", ["engine.name=hf", f"engine.cudnn_attention={value}"])
+        kwargs = HFEngine.kwargs_for(cfg.engine, "m", AUX, True, 2)
+        assert kwargs["cudnn_attention"] == value
+        assert HFEngine.provenance(kwargs, cuda=True)["cudnn_attention"] == value
+        assert "cudnn_attention" not in HFEngine.provenance(kwargs | {"device": "cpu"}, cuda=False)
+    assert load_config("conf/default.yaml", ["engine.name=hf"]).engine.cudnn_attention == "warm"
+    with pytest.raises(Exception, match="cudnn_attention"):
+        load_config("conf/default.yaml", ["engine.name=hf", "engine.cudnn_attention=never"])
+    # The benchmarks' baseline keeps torch's choice: its repeated passes run every shape on a built plan.
+    assert BareHFEngine("m", AUX).decoder.cudnn_attention == "always"
+    assert HFEngine("m", AUX).decoder.cudnn_attention == "warm"
