@@ -110,9 +110,10 @@ class HFEngineConfig(_EngineBase):
     # (cuDNN's kernel) runs at twice the speed of the variable-length kernel packing needs, which cost more
     # than the padding saved (bench/results/longtail_packed_varlen_h200.json, packed_attention_longtail_h200.json).
     packing: Literal["auto", "on", "off"] = "off"
-    # CUDA: where attention may use cuDNN's kernel (torch's default pick on Hopper). warm: only for a forward
-    # shape the engine has run before; a new shape runs the flash kernel, because cuDNN first builds a plan for
-    # each shape on the forward thread (~300 ms) and a job's forwards rarely repeat one. always: torch decides.
+    # CUDA: where attention may use cuDNN's kernel (torch's default pick on Hopper). warm: a new forward shape
+    # whose attention is light (at most a full forward of 2,048-token rows) runs the flash kernel, because cuDNN
+    # first builds a plan for each shape on the forward thread (~300 ms) and a job's forwards rarely repeat one;
+    # heavier shapes and shapes that come back run cuDNN's (actors/hf/decoder.py). always: torch decides.
     cudnn_attention: Literal["warm", "always"] = "warm"
 
     @field_validator("packing", mode="before")

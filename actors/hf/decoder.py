@@ -54,13 +54,17 @@ def _skip_packed_check() -> None:
 
 
 # Where torch's scaled-dot-product attention may use cuDNN's kernel on CUDA (its default pick on Hopper):
-# "always" leaves the choice to torch; "warm" lets it only for a forward shape this decoder has run before.
+# "always" leaves the choice to torch; "warm" keeps it from a new forward shape whose attention is light.
 # cuDNN builds an execution plan for every new shape (batch, length) on the launching thread, ~300 ms of host
 # time on the H100 with torch 2.14 (bench/results/first_layer_h100.json), and a job's forwards almost never
-# repeat a shape, so every one of them paid it in its first layer while the device ran dry. A new shape runs
-# the flash kernel instead, which needs no plan; a shape that comes back has shown it recurs, and gets
-# cuDNN's (faster) kernel from then on.
+# repeat a shape: in the job every forward paid it in its first layer (~25 ms of device time each, the rest
+# hidden behind the forward before it). The flash kernel needs no plan but runs slower, by an amount that grows
+# with the attention's work, rows x length^2: on rows up to 2,048 tokens flash won (the benchmark mix, +1.0 %),
+# on a long-tailed mix to 6,144 it lost (-1.5 %) (bench/results/benchmix_cudnn_warm_h100.json,
+# longtail_cudnn_warm_h100.json). So a new shape runs flash while its work is at most a full 16k-token forward
+# of 2,048-token rows; a heavier one, and a shape that comes back (it recurs), get cuDNN's kernel.
 CUDNN_ATTENTION = ("always", "warm")
+FLASH_NEW_SHAPE_WORK = 16384 * 2048  # rows x length^2 of a new shape's forward, most for the flash kernel
 
 
 def _first(output):
@@ -261,11 +265,13 @@ class Decoder:
         (`sdpa_kernel` sets global flags until it exits): one forward thread per process runs these."""
         if self.cudnn_attention == "always" or not str(self.device).startswith("cuda"):
             return contextlib.nullcontext()
-        if shape in self._shapes_run:
+        seen = shape in self._shapes_run
+        self._shapes_run.add(shape)
+        rows, length = shape
+        if seen or rows * length * length > FLASH_NEW_SHAPE_WORK:
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        self._shapes_run.add(shape)
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def outputs(self) -> tuple[list, object]:

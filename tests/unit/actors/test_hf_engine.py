@@ -635,8 +635,9 @@ def test_an_fp8_capture_is_the_codecs_quantization_of_the_bf16_capture(model_dir
 
 
 def test_cudnn_attention_is_kept_from_a_forward_shape_until_it_comes_back():
-    """"warm": a new forward shape runs without cuDNN's attention (whose per-shape plan would be built on the
-    forward thread), the same shape again with torch's own choice; "always" and a CPU never narrow it."""
+    """ "warm": a new forward shape with light attention runs without cuDNN's kernel (whose per-shape plan would
+    be built on the forward thread), a heavy one and the same shape again with torch's own choice; "always" and
+    a CPU never narrow it."""
     from actors.hf.decoder import Decoder
 
     assert torch.backends.cuda.cudnn_sdp_enabled()
@@ -649,6 +650,10 @@ def test_cudnn_attention_is_kept_from_a_forward_shape_until_it_comes_back():
         assert torch.backends.cuda.cudnn_sdp_enabled()
     with dec._attention((4, 513)):  # another length is another shape
         assert not torch.backends.cuda.cudnn_sdp_enabled()
+    with dec._attention((8, 2048)):  # a full forward of 2,048-token rows: the most flash takes
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    with dec._attention((2, 6144)):  # long rows: flash's extra time would pass cuDNN's plan
+        assert torch.backends.cuda.cudnn_sdp_enabled()
     for other in (
         Decoder("m", AUX, "cuda", "bfloat16", cudnn_attention="always"),
         Decoder("m", AUX, "cpu", "bfloat16", cudnn_attention="warm"),
