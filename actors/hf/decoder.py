@@ -56,7 +56,7 @@ def _skip_packed_check() -> None:
 # Where torch's scaled-dot-product attention may use cuDNN's kernel on CUDA (its default pick on Hopper):
 # "always" leaves the choice to torch; "warm" keeps it from a new forward shape whose attention is light.
 # cuDNN builds an execution plan for every new shape (batch, length) on the launching thread, ~300 ms of host
-# time on the H100 with torch 2.14 (bench/results/first_layer_h100.json), and a job's forwards almost never
+# time on the H100 (bench/results/first_layer_h100.json), and a job's forwards almost never
 # repeat a shape: in the job every forward paid it in its first layer (~25 ms of device time each, the rest
 # hidden behind the forward before it). The flash kernel needs no plan but runs slower, by an amount that grows
 # with the attention's work, rows x length^2: on rows up to 2,048 tokens flash won (the benchmark mix, +1.0 %),
