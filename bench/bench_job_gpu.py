@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_clock import GpuClock  # noqa: E402 - after the path that makes `bench` importable
+from bench.job_sets import split_env  # noqa: E402
 
 SHAPES = {
     "8b": dict(
@@ -333,10 +334,7 @@ def job(
         "progress.interval_s=5",
         *extra_sets,
     ]
-    # A variant's keys without a section (no dot) are environment variables of the job, e.g.
-    # HIDDEN_HARVEST_PINNED_SLABS=0 or RAY_worker_niceness=0 (Ray's names are case-sensitive).
-    job_env = dict(x.split("=", 1) for x in sets if "." not in x.split("=", 1)[0])
-    sets = [x for x in sets if "." in x.split("=", 1)[0]]
+    sets, job_env = split_env(sets)  # a variant's keys without a section are environment variables
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [
         a for s in sets for a in ("--set", s)
     ]

@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from plain_sglang import USER_FLAGS, plain_sweeps  # noqa: E402
 
 from actors.sglang.server import ServerSpec, cpu_has_bf16_matmul  # noqa: E402
+from bench.job_sets import split_env  # noqa: E402
 from conf import load_config  # noqa: E402
 from pipeline.driver.plan import default_aux_layers  # noqa: E402
 from pipeline.intake.model import num_hidden_layers, resolve_model  # noqa: E402
@@ -65,9 +66,8 @@ SHORT_MIN, SHORT_MAX = 48, 1024
 
 def run_job(config: str, input_path: str, job_set: list[str], label: str) -> dict:
     """The job as a user runs it, into a fresh output; figures from manifest.json's last_run."""
-    # A KEY without a section (e.g. RAY_worker_niceness=0) is an environment variable of the job's processes.
-    env = dict(os.environ) | dict(item.split("=", 1) for item in job_set if "." not in item.split("=", 1)[0])
-    job_set = [item for item in job_set if "." in item.split("=", 1)[0]]
+    job_set, job_env = split_env(job_set)
+    env = dict(os.environ) | job_env
     with tempfile.TemporaryDirectory() as out:
         # Passthrough first: the input and output paths set last always win.
         sets = [*job_set, f"output.path={out}/o", f"input.path={input_path}"]

@@ -203,7 +203,7 @@ class HFEngine:
             "device": kwargs["device"],
             "dtype": "bfloat16",
             "max_batch_tokens": kwargs["max_batch_tokens"],
-            **({"cudnn_attention": kwargs.get("cudnn_attention", "warm")} if cuda else {}),
+            **({"cudnn_attention": kwargs["cudnn_attention"]} if cuda else {}),
         }
 
     # Captures are stored as bf16, and the model runs in it (a float reference is reference.py's).
