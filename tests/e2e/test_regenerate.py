@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline.format.manifest import read_manifest
@@ -33,6 +34,13 @@ def _chats(n: int, turns: int = 1) -> list[dict]:
 def _write(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def _cmdline(p) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # ended meanwhile
+        return ""
 
 
 def _rows(out: Path) -> list[dict]:
@@ -115,8 +123,14 @@ def test_each_policy_sigkill_then_rerun_is_exactly_once(tmp_path):
             break
         time.sleep(0.3)
     assert proc.poll() is None, "finished before it could be killed:\n" + proc.stdout.read().decode()[-3000:]
+    # The stage's actors are processes of their own (under the driver's local Ray): one may still commit the
+    # part it is writing after the driver is gone. What the rerun finds committed is read once they have ended.
+    actors = [p for p in psutil.Process(proc.pid).children(recursive=True) if "Regenerator" in _cmdline(p)]
+    assert actors, "no Regenerator actor under the driver to wait for"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    _, alive = psutil.wait_procs(actors, timeout=120)
+    assert not alive, f"the killed driver's actors still run: {[p.pid for p in alive]}"
     before = {r["id"] for r in _rows(out)}
     assert 2 <= len(before) < len(rows)
 
