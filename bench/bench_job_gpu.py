@@ -152,9 +152,10 @@ def us_per_padded_token(engine_stats: dict) -> float | None:
     return round(1e6 * dev / padded, 2) if dev and padded else None
 
 
-# The bare engine's settings swept beside max_batch_tokens: packed forwards (the engine's default where the model
-# packs, actors/hf/packing.py), and padded rows at the engine's padded fill floor and at the measured one, so the
-# baseline is the bare engine at its best whichever suits it (actors/hf/engine.py, CUDA_FILL_FLOOR).
+# The bare engine's settings swept beside max_batch_tokens: packed forwards (where the model packs,
+# actors/hf/packing.py; asked for whatever the job's engine.packing), and padded rows at the engine's padded fill
+# floor and at the measured one, so the baseline is the bare engine at its best whichever suits it
+# (actors/hf/engine.py, CUDA_FILL_FLOOR).
 BARE_SETTINGS = (("packed", None), ("padded", None), ("padded", "measured"))
 
 
@@ -164,7 +165,7 @@ def bare(model_dir: Path, prompts: list[list[int]], sweep: list[int], device: st
     from pipeline.intake.model import num_hidden_layers
 
     aux = default_aux_layers(num_hidden_layers(model_dir))
-    eng = BareHFEngine(str(model_dir), aux, device=device, max_batch_tokens=max(sweep)).start()
+    eng = BareHFEngine(str(model_dir), aux, device=device, max_batch_tokens=max(sweep), packing="auto").start()
     tokens = sum(len(p) for p in prompts)
     rates, stats, every, sizes = {}, {}, {}, {}
     try:

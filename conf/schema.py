@@ -106,10 +106,12 @@ class HFEngineConfig(_EngineBase):
     # Packed forwards: the requests end to end in one row, each attending only to itself, no padding
     # (actors/hf/packing.py). off: padded rows, fill_floor applies; auto: packed wherever the model's attention
     # allows it and a packed forward matches a padded one at start, padded otherwise (logged); on: the same,
-    # but an engine that cannot pack fails at start. Off by default: on the H200 the padded forward's attention
-    # (cuDNN's kernel) runs at twice the speed of the variable-length kernel packing needs, which cost more
-    # than the padding saved (bench/results/longtail_packed_varlen_h200.json, packed_attention_longtail_h200.json).
-    packing: Literal["auto", "on", "off"] = "off"
+    # but an engine that cannot pack fails at start; None: the device's default, auto on a GPU and off on a
+    # CPU (unmeasured there). On a GPU a job's padded forwards pay for their padding and for shapes new to the
+    # process (cuDNN's per-shape plan, or the flash kernel in its place); packed ones pay for neither: on an
+    # H100 the job ran at 0.98 of the bare engine packed against 0.95 padded on the benchmark's mix, and 0.97
+    # against 0.93 on a long-tailed one (bench/results/benchmix_packed_h100.json, longtail_packed_h100.json).
+    packing: Literal["auto", "on", "off"] | None = None
     # CUDA: where attention may use cuDNN's kernel (torch's default pick on Hopper). warm: a new forward shape
     # whose attention is light (at most a full forward of 2,048-token rows) runs the flash kernel, because cuDNN
     # first builds a plan for each shape on the forward thread (~300 ms) and a job's forwards rarely repeat one;

@@ -204,7 +204,14 @@ class HFEngine:
             "dtype": "bfloat16",
             "max_batch_tokens": kwargs["max_batch_tokens"],
             **({"cudnn_attention": kwargs["cudnn_attention"]} if cuda else {}),
+            "packing": cls.packing_for(kwargs["packing"], cuda),
         }
+
+    @staticmethod
+    def packing_for(packing: str | None, cuda: bool) -> str:
+        """engine.packing, None being the device's default (conf/schema.py): packed where the model allows on
+        CUDA, padded on a CPU."""
+        return packing or ("auto" if cuda else "off")
 
     # Captures are stored as bf16, and the model runs in it (a float reference is reference.py's).
     dtype = "bfloat16"
@@ -222,13 +229,13 @@ class HFEngine:
         final_layer: str = "post_norm",
         capture_layout: str = "planes",
         fill_floor: float | str | None = None,
-        packing: str = "off",
+        packing: str | None = None,
         cudnn_attention: str = "warm",
     ):
         if capture_layout not in ("planes", "fp8"):
             raise ValueError(f"capture_layout {capture_layout!r}: planes or fp8")
-        if packing not in ("auto", "on", "off"):
-            raise ValueError(f"packing {packing!r}: auto, on or off")
+        if packing not in ("auto", "on", "off", None):
+            raise ValueError(f"packing {packing!r}: auto, on, off or None")
         self.model_dir = str(model_dir)
         self.aux_layers = tuple(aux_layers)
         self.device = device
@@ -255,7 +262,7 @@ class HFEngine:
         else:
             self.fill_floor = float(fill_floor)
         self._floor = FillFloor(max_batch_tokens)
-        self.packing = packing
+        self.packing = self.packing_for(packing, self.cuda)
         self.packed = False  # decided in start(): packed forwards where asked for and checked (_pack)
         self.cpu_threads = cpu_threads
         self.warmup = warmup  # None: on CUDA only (see _warm_up)

@@ -110,6 +110,23 @@ def test_engine_packing_comes_from_the_config():
         load_config("conf/default.yaml", ["engine.name=hf", "engine.packing=sometimes"])
 
 
+def test_packing_defaults_to_the_device():
+    """Unset, engine.packing is auto on CUDA (packed where the model allows) and off on a CPU; the manifest's
+    engine provenance records what the engine was asked for."""
+    from conf.schema import load_config
+
+    cfg = load_config("conf/default.yaml", ["engine.name=hf"])
+    assert cfg.engine.packing is None
+    for cuda, want in ((True, "auto"), (False, "off")):
+        kwargs = HFEngine.kwargs_for(cfg.engine, "m", (1,), cuda, 2)
+        assert HFEngine.provenance(kwargs, cuda)["packing"] == want
+        assert HFEngine("m", AUX, device="cuda" if cuda else "cpu", packing=kwargs["packing"]).packing == want
+    set_off = HFEngine.kwargs_for(
+        load_config("conf/default.yaml", ["engine.name=hf", "engine.packing=off"]).engine, "m", (1,), True, 2
+    )
+    assert HFEngine("m", AUX, device="cuda", packing=set_off["packing"]).packing == "off"
+
+
 # ---- families ----------------------------------------------------------------------------------------
 
 
