@@ -109,8 +109,9 @@ class HFEngineConfig(_EngineBase):
     # but an engine that cannot pack fails at start; None: the device's default, auto on a GPU and off on a
     # CPU (unmeasured there). On a GPU a job's padded forwards pay for their padding and for shapes new to the
     # process (cuDNN's per-shape plan, or the flash kernel in its place); packed ones pay for neither: on an
-    # H100 the job ran at 0.98 of the bare engine packed against 0.95 padded on the benchmark's mix, and 0.97
-    # against 0.93 on a long-tailed one (bench/results/benchmix_packed_h100.json, longtail_packed_h100.json).
+    # H100 the job ran at 0.978 of the bare engine at its best packed against 0.951 padded on the benchmark's
+    # mix, 0.973 against 0.927 on a long-tailed one (bench/results/benchmix_packed_default_h100.json,
+    # longtail_packed_default_h100.json), though the bare engine itself is no faster packed.
     packing: Literal["auto", "on", "off"] | None = None
     # CUDA: where attention may use cuDNN's kernel (torch's default pick on Hopper). warm: a new forward shape
     # whose attention is light (at most a full forward of 2,048-token rows) runs the flash kernel, because cuDNN

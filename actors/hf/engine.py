@@ -425,7 +425,8 @@ class HFEngine:
         packed forward of a few sequences gives each the states its padded row gives."""
         if self.packing == "off":
             return False
-        why = self.decoder.pack() or self._check_packing()
+        refused = self.decoder.pack()  # by the model's config: windows, soft-capping, sinks, MLA
+        why = refused or self._check_packing()
         if why is None:
             logger.info("hf engine: packed forwards (no padding)")
             return True
@@ -433,7 +434,10 @@ class HFEngine:
             self.decoder.base.set_attn_implementation("sdpa")
         if self.packing == "on":
             raise RuntimeError(f"engine.packing=on: {self.model_dir} cannot run packed forwards: {why}")
-        logger.warning("hf engine: padded forwards: %s cannot run packed: %s", self.model_dir, why)
+        # A family known not to pack is what auto (CUDA's default) expects; a failed check is not.
+        (logger.info if refused else logger.warning)(
+            "hf engine: padded forwards: %s cannot run packed: %s", self.model_dir, why
+        )
         return False
 
     def _kept(self, seqs: list[list[int]], packed: bool = False) -> list[list]:

@@ -140,9 +140,12 @@ def test_packing_defaults_to_the_device():
         ("gpt_oss", "attention 'eager'"),
     ],
 )
-def test_which_families_pack(family, why, model_dir, tmp_path):
+def test_which_families_pack(family, why, model_dir, tmp_path, caplog):
     """Families whose attention is plain causal pack, and their packed captures hold each request's own
-    states; windowed, soft-capped or sink attention is refused by name before any forward."""
+    states; windowed, soft-capped or sink attention is refused by name before any forward: `on` fails, `auto`
+    (CUDA's default) runs padded and says so without a warning, since nothing is wrong."""
+    import logging
+
     from tests.families import make_model
 
     path = make_model(family, tmp_path / family, model_dir)
@@ -150,6 +153,10 @@ def test_which_families_pack(family, why, model_dir, tmp_path):
     if why is not None:
         with pytest.raises(RuntimeError, match=why):
             HFEngine(str(path), aux, packing="on").start()
+        with caplog.at_level(logging.INFO, logger="actors.hf.engine"), HFEngine(str(path), aux, packing="auto") as eng:
+            assert eng.packed is False
+        said = [r for r in caplog.records if "cannot run packed" in r.getMessage()]
+        assert said and why in said[0].getMessage() and all(r.levelno == logging.INFO for r in said)
         return
     rng = np.random.default_rng(2)
     reqs = [(f"r{i}", rng.integers(0, 1000, n).tolist()) for i, n in enumerate((40, 7, 90, 1))]
