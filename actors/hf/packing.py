@@ -22,13 +22,13 @@ alone does not pay for it: on the H200 (torch 2.11, Qwen3-8B shape, long-tailed 
 attention runs cuDNN's kernel at 0.048 us a token and layer, the variable-length flash kernel 0.085
 (bench/results/packed_attention_longtail_h200.json), and the bare engine packed did 30.6k tok/s against 31.0k
 padded (bench/results/longtail_packed_varlen_h200.json); on an H100 the bare engine packed was ~1 % behind its
-best padded pass. A job is not the bare engine's best pass: its forwards are shapes new to the process, whose padded
-attention either waits for cuDNN's per-shape plan or runs the flash kernel in its place (decoder.py,
-cudnn_attention), and its take order pads more. Packed forwards need no plan and carry no padding: on an
-H100 the job ran at 0.978 of the bare engine at its best packed against 0.951 padded on the benchmark's mix,
-and 0.973 against 0.927 on a long-tailed mix (bench/results/benchmix_packed_default_h100.json,
-longtail_packed_default_h100.json). Grouping the row's sequences into padded calls of the cuDNN kernel
-(commit d968bb3) was no faster and added host work: its job ran at 0.76 of the bare engine.
+best padded pass. A job is not the bare engine's best pass: its forwards are shapes new to the process, whose
+padded attention either waits for cuDNN's per-shape plan or runs the flash kernel in its place (decoder.py,
+cudnn_attention), and its take order pads more. Packed forwards need no plan and carry no padding: on an H100
+the job ran at 0.978 of the bare engine at its best packed against 0.951 padded on the benchmark's mix, and
+0.973 against 0.927 on a long-tailed mix (bench/results/benchmix_packed_default_h100.json,
+longtail_packed_default_h100.json). Grouping the row's sequences into padded calls of the cuDNN kernel (commit
+d968bb3) was no faster and added host work: its job ran at 0.76 of the bare engine.
 
 What it cannot run: per-layer sliding windows, logit soft-capping, attention sinks, and heads whose values
 are narrower than their keys (MLA). `refusal(config)` names those from the config; the engine also checks
