@@ -304,7 +304,7 @@ class HFEngine:
         # they split a run into waiting for work, the device's span and what came after it.
         self.first_forward_unix: float | None = None
         self.last_done_unix: float | None = None
-        self.phases: dict[str, float] = {}  # where start() went: load_s (weights, device), warm_up_s
+        self.phases: dict = {}  # where start() went: load_s and its load_parts_s, warm_up_s
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -315,12 +315,15 @@ class HFEngine:
             torch.set_num_threads(self.cpu_threads)
         t0 = time.monotonic()
         self.decoder.load()
+        weights = time.monotonic()
         self.packed = self._pack()
+        checked = staged = time.monotonic()
         if self.cuda:
             # One kernel launch per layer instead of a few hundred small torch ops on the forward thread
             # (actors/hf/staging.py); checked against the torch ops here, and they stay where it does not match.
             if self.capture_layout == "planes":
                 self._stager = TritonStager.checked(self.device) or stage_torch
+            staged = time.monotonic()
             self._marks: dict = {}
             self._prev_end = None
             self._hooks += [
@@ -344,7 +347,18 @@ class HFEngine:
             except BaseException:
                 self.close()
                 raise
-        self.phases = {"load_s": round(loaded - t0, 3), "warm_up_s": round(time.monotonic() - loaded, 3)}
+        self.phases = {
+            "load_s": round(loaded - t0, 3),
+            # Where the load went (the start-up line prints them): the model (transformers' import included),
+            # the packed-against-padded check (_pack) where packing was asked for, and on CUDA the staging
+            # kernel's check (its compile).
+            "load_parts_s": {
+                "weights": round(weights - t0, 3),
+                **({"packing check": round(checked - weights, 3)} if self.packing != "off" else {}),
+                **({"staging check": round(staged - checked, 3)} if self.cuda else {}),
+            },
+            "warm_up_s": round(time.monotonic() - loaded, 3),
+        }
         logger.info(
             "hf engine: %s on %s in %s, ready in %.1fs", self.model_dir, self.device, self.dtype, time.monotonic() - t0
         )

@@ -121,7 +121,8 @@ class Progress:
 def startup(ray_s: float | None, read_s: float, extract_started_unix: float, actors: dict) -> dict:
     """Where a run's start-up went, in seconds: Ray's start (None when the process came with Ray running),
     reading and tokenizing the input, and for the actor whose engine was ready last: Ray placing it and
-    starting its process (up to its first line of code), the engine's load and its warm-up. From the
+    starting its process (up to its first line of code), the engine's load (with its parts where the engine
+    reports them) and its warm-up. From the
     engines' own `start` counters (actors/extractor.py)."""
     starts = [(a.get("engine") or {}).get("start") or {} for a in actors.values()]
     starts = [s for s in starts if s.get("ready_unix")]
@@ -131,6 +132,7 @@ def startup(ray_s: float | None, read_s: float, extract_started_unix: float, act
         out |= {
             "actor_s": round(max(0.0, last["actor_init_unix"] - extract_started_unix), 3),
             "engine_load_s": last.get("load_s"),
+            **({"engine_load_parts_s": last["load_parts_s"]} if last.get("load_parts_s") else {}),
             "warm_up_s": last.get("warm_up_s"),
             "engines_ready_after_s": round(last["ready_unix"] - extract_started_unix, 3),
         }
@@ -144,7 +146,9 @@ def startup_line(s: dict) -> str:
     ]
     if "actor_s" in s:
         parts += [f"actor {s['actor_s']:.1f} s"]
-        parts += [f"engine load {s['engine_load_s']:.1f} s"] if s.get("engine_load_s") is not None else []
+        if s.get("engine_load_s") is not None:
+            within = ", ".join(f"{k} {v:.1f} s" for k, v in (s.get("engine_load_parts_s") or {}).items())
+            parts += [f"engine load {s['engine_load_s']:.1f} s" + (f" ({within})" if within else "")]
         parts += [f"warm-up {s['warm_up_s']:.1f} s"] if s.get("warm_up_s") is not None else []
     return "start-up: " + ", ".join(parts) + " (the engine ready last)" * ("actor_s" in s)
 
