@@ -394,6 +394,8 @@ def job(
         # What the job itself said beyond its figures: its warnings (a dashboard it started without, a
         # config it corrected) and where its start-up went.
         "job_log": job_log_lines(proc.stdout + proc.stderr),
+        # Where start-up went, by part (Ray, read and tokenize, actor, engine load and its parts, warm-up).
+        "startup": lr.get("startup"),
     }
     engines = [a.get("engine") or {} for a in (lr.get("per_actor") or {}).values()]
     result["us_per_padded_token"] = [us_per_padded_token(e) for e in engines]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -124,11 +125,14 @@ class Decoder:
         self.routes = routes or flips
         self.flips = flips
         self.routers: dict[int, int] = {}  # decoder layer -> its router's top-k (MoE layers only)
+        self.load_parts: dict[str, float] = {}  # load()'s seconds by part
 
     def load(self) -> Decoder:
+        t0 = time.monotonic()
         import torch
         from transformers import AutoModelForCausalLM
 
+        imported = time.monotonic()
         _skip_packed_check()
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -144,7 +148,16 @@ class Decoder:
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation="eager"
             )
+        read = time.monotonic()
         self.base = model.get_decoder().to(self.device).eval()
+        # Where the load went, for the start-up line: the import (torch's and transformers' first in a new
+        # process), reading the model into host memory, and moving the decoder to the device (on CUDA that
+        # includes the process's first CUDA call, so its context).
+        self.load_parts = {
+            "import": round(imported - t0, 3),
+            "read": round(read - imported, 3),
+            "to device": round(time.monotonic() - read, 3),
+        }
         self.vocab_size = int(model.config.vocab_size)
         del model  # the LM head is never used
         self.layers = getattr(self.base, "layers", None)

@@ -349,11 +349,11 @@ class HFEngine:
                 raise
         self.phases = {
             "load_s": round(loaded - t0, 3),
-            # Where the load went (the start-up line prints them): the model (transformers' import included),
-            # the packed-against-padded check (_pack) where packing was asked for, and on CUDA the staging
-            # kernel's check (its compile).
+            # Where the load went (the start-up line prints them): the model's import, read and move to the
+            # device (Decoder.load), the packed-against-padded check (_pack) where packing was asked for, and on
+            # CUDA the staging kernel's check (its compile).
             "load_parts_s": {
-                "weights": round(weights - t0, 3),
+                **(self.decoder.load_parts or {"weights": round(weights - t0, 3)}),
                 **({"packing check": round(checked - weights, 3)} if self.packing != "off" else {}),
                 **({"staging check": round(staged - checked, 3)} if self.cuda else {}),
             },

@@ -512,6 +512,11 @@ def test_warm_up_runs_one_full_forward_and_counts_nothing(model_dir):
         assert res.error is None and res.capture.header.num_tokens == 39
         res.capture.release()
         assert eng.stats()["forwards"] == 1 and eng.stats()["real_tokens"] == 39
+        # Where the start went, as the start-up line names it: the model's parts in their order, inside the load.
+        parts = eng.phases["load_parts_s"]
+        assert list(parts) == ["import", "read", "to device"]  # CPU, packing off: no checks
+        assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= eng.phases["load_s"]
+        assert eng.phases["warm_up_s"] > 0
     assert HFEngine("unused", AUX).warmup is None  # decided at start: the device is known then
 
 

@@ -143,11 +143,13 @@ def test_startup_names_each_part_for_the_engine_ready_last():
         "(the engine ready last)"
     )
     # An engine that splits its load (the hf engine): the parts follow the load, in the engine's order.
-    actors["h:2"]["engine"]["start"]["load_parts_s"] = {"weights": 1.7, "packing check": 0.45, "staging check": 6.0}
+    parts = {"import": 7.0, "read": 0.45, "to device": 1.9, "packing check": 0.55, "staging check": 6.0}
+    actors["h:2"]["engine"]["start"]["load_parts_s"] = dict(parts)
     s = startup(4.2, 8.05, t, actors)
-    assert s["engine_load_parts_s"] == {"weights": 1.7, "packing check": 0.45, "staging check": 6.0}
-    assert "engine load 20.0 s (weights 1.7 s, packing check 0.5 s, staging check 6.0 s), warm-up 5.0 s" in (
-        startup_line(s)
-    )
+    assert s["engine_load_parts_s"] == parts
+    assert (
+        "engine load 20.0 s (import 7.0 s, read 0.5 s, to device 1.9 s, packing check 0.6 s, staging check 6.0 s), "
+        "warm-up 5.0 s"
+    ) in startup_line(s)
     # Ray already running in the process (tests, notebooks), and no engine reported yet (nothing to extract).
     assert startup_line(startup(None, 1.0, t, {})) == "start-up: Ray already running, read and tokenize 1.0 s"
