@@ -15,8 +15,6 @@ The model files are written and read once first, so every start reads them from 
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -26,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_job_gpu import log, make_model  # noqa: E402 - after the path that makes `bench` importable
+from bench.bench_model_load_gpu import parse_args, record_head  # noqa: E402
 
 CHILD = """
 import json, sys, threading, time
@@ -60,16 +59,7 @@ def start_once(model_dir: Path, device: str, way: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--tokenizer", type=Path, required=True)
-    ap.add_argument("--shape", default="8b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/engine_start_gpu.json")
-    args = ap.parse_args()
-
-    import torch
+    args = parse_args(__doc__, "engine_start_gpu.json")
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(args.work, args.shape, args.tokenizer, args.device)
@@ -79,15 +69,12 @@ def main() -> None:
     for _ in range(args.repeats):
         for way in ways:
             runs[way].append(start_once(model_dir, args.device, way))
-    out = {
-        "benchmark": "a fresh process's hf engine start on a GPU by part: as it stands, and with CUDA started early",
-        "machine": f"1 x {torch.cuda.get_device_name()}",
-        "date": datetime.date.today().isoformat(),
-        "command": "python bench/bench_engine_start_gpu.py " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "shape": args.shape,
-        "model_gb": round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 1e9, 2),
+    out = record_head(
+        "a fresh process's hf engine start on a GPU by part: as it stands, and with CUDA started early",
+        __file__,
+        args,
+        model_dir,
+    ) | {
         "first_start": first,
         "starts": runs,
         # From the process's first line: the early thread starts before start() is called.

@@ -50,17 +50,36 @@ def load_once(model_dir: Path, how: str, device: str) -> float:
     return took
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(doc: str, out_name: str) -> argparse.Namespace:
+    """The arguments of the engine-start benchmarks (this one and bench_engine_start_gpu)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/model_load_gpu.json")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results" / out_name)
+    return ap.parse_args()
 
+
+def record_head(benchmark: str, script: str, args: argparse.Namespace, model_dir: Path) -> dict:
+    """What every engine-start result opens with: the benchmark, machine, date, command and model."""
     import torch
+
+    return {
+        "benchmark": benchmark,
+        "machine": f"1 x {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else platform.processor(),
+        "date": datetime.date.today().isoformat(),
+        "command": f"python bench/{Path(script).name} " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "shape": args.shape,
+        "model_gb": round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 1e9, 2),
+    }
+
+
+def main() -> None:
+    args = parse_args(__doc__, "model_load_gpu.json")
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(args.work, args.shape, args.tokenizer, args.device)
@@ -78,15 +97,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a way this transformers cannot take is a result too
                 errors[way] = f"{type(e).__name__}: {e}"
                 log(f"{way}: {errors[way]}")
-    out = {
-        "benchmark": "the hf engine's model load: host then device against device_map, alternating",
-        "machine": f"1 x {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else platform.processor(),
-        "date": datetime.date.today().isoformat(),
-        "command": "python bench/bench_model_load_gpu.py " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "shape": args.shape,
-        "model_gb": round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 1e9, 2),
+    out = record_head(
+        "the hf engine's model load: host then device against device_map, alternating", __file__, args, model_dir
+    ) | {
         "first_load": first,
         "seconds": runs,
         "best": {w: min(v) for w, v in runs.items() if v},
