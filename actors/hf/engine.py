@@ -353,7 +353,7 @@ class HFEngine:
             # device (Decoder.load), the packed-against-padded check (_pack) where packing was asked for, and on
             # CUDA the staging kernel's check (its compile).
             "load_parts_s": {
-                **(self.decoder.load_parts or {"weights": round(weights - t0, 3)}),
+                **self.decoder.load_parts,
                 **({"packing check": round(checked - weights, 3)} if self.packing != "off" else {}),
                 **({"staging check": round(staged - checked, 3)} if self.cuda else {}),
             },
