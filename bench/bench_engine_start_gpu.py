@@ -30,10 +30,8 @@ CHILD = """
 import json, sys, threading, time
 t0 = time.monotonic()
 import torch
-early = None
 if sys.argv[3] == "cuda_early":
-    early = threading.Thread(target=lambda: torch.zeros(1, device=sys.argv[2]), daemon=True)
-    early.start()
+    threading.Thread(target=lambda: torch.zeros(1, device=sys.argv[2]), daemon=True).start()
 from actors.hf.engine import HFEngine
 from pipeline.driver.plan import default_aux_layers
 

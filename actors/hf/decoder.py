@@ -150,9 +150,9 @@ class Decoder:
             )
         read = time.monotonic()
         self.base = model.get_decoder().to(self.device).eval()
-        # Where the load went, for the start-up line: the import (torch's and transformers' first in a new
-        # process), reading the model into host memory, and moving the decoder to the device (on CUDA that
-        # includes the process's first CUDA call, so its context).
+        # Where the load went, for the start-up line: the import (transformers' modeling code, the first time in
+        # a process; torch is in by then), reading the model into host memory, and moving the decoder to the
+        # device (on CUDA that includes the process's first CUDA call, so its context).
         self.load_parts = {
             "import": round(imported - t0, 3),
             "read": round(read - imported, 3),
