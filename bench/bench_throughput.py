@@ -53,7 +53,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from plain_sglang import USER_FLAGS, plain_sweeps  # noqa: E402
 
-from actors.sglang.server import ServerSpec, cpu_has_bf16_matmul  # noqa: E402
+from actors.cpu import cpu_has_bf16_matmul  # noqa: E402
+from actors.sglang.server import ServerSpec  # noqa: E402
 from bench.job_sets import split_env  # noqa: E402
 from conf import load_config  # noqa: E402
 from pipeline.driver.plan import default_aux_layers  # noqa: E402

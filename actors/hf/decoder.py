@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from actors.hf import packing
+from actors.hf import bf16_gemms, packing
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,8 @@ class Decoder:
         self.flips = flips
         self.routers: dict[int, int] = {}  # decoder layer -> its router's top-k (MoE layers only)
         self.load_parts: dict[str, float] = {}  # load()'s seconds by part
+        # bf16 on a CPU without native bf16 matmul: products in float32, rounded to bf16 (bf16_gemms.py).
+        self.float32_gemms = bf16_gemms.needed(device, dtype)
 
     def load(self) -> Decoder:
         t0 = time.monotonic()
@@ -149,6 +151,8 @@ class Decoder:
                 self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation="eager"
             )
         read = time.monotonic()
+        if self.float32_gemms:
+            logger.info("%s: bf16 products run in float32, rounded to bf16 (no native bf16 matmul)", self.model_dir)
         self.base = model.get_decoder().to(self.device).eval()
         # Where the load went, for the start-up line: the import (transformers' modeling code, the first time in
         # a process; torch is in by then), reading the model into host memory, and moving the decoder to the
@@ -261,6 +265,7 @@ class Decoder:
                 torch.inference_mode(),
                 packing.active(spans) if packed else contextlib.nullcontext(),
                 self._attention(ids.shape),
+                bf16_gemms.float32_gemms(self.float32_gemms),
             ):
                 tensors = [torch.from_numpy(a) for a in (ids, positions) if a is not None]
                 if pin:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import requests
 
+from actors.cpu import cpu_has_bf16_matmul
 from actors.engine import EngineDied
 from patches.sglang import server_pythonpath
 
@@ -114,25 +115,6 @@ class ServerSpec:
                     f"engine.server_flags may not set {name}: hidden-harvest sets it so hidden states are "
                     "complete and captured (see actors/sglang/server.py)"
                 )
-
-
-def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool | None:
-    """Whether this CPU multiplies bf16 natively (x86 avx512_bf16 or amx_bf16; arm bf16); None: cannot tell.
-
-    Without it torch's bf16 matmul converts on the fly: on a 2-core AVX2 host the default model's server
-    ran 88 tok/s in bf16 against 531 in float32 (bench/results/request_path_cpu.json)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return None
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            flags = set(value.split())
-            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    return None
 
 
 def cpu_dtype_flags(setting: str, user_flags: tuple[str, ...], cpuinfo: str | None = None) -> tuple[str, ...]:

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from actors.cpu import cpu_has_bf16_matmul
 from actors.sglang.engine import SGLangEngine
-from actors.sglang.server import cpu_has_bf16_matmul
 from actors.validate import check_capture
 from pipeline.driver.plan import default_aux_layers
 

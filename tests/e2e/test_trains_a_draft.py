@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.sglang.server import cpu_has_bf16_matmul
+from actors.cpu import cpu_has_bf16_matmul
 
 pytestmark = pytest.mark.slow
 

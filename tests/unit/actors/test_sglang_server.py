@@ -280,7 +280,7 @@ ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"
     ids=["avx2", "amx", "arm-bf16", "unknown"],
 )
 def test_bf16_matmul_is_read_off_the_cpus_flags(cpuinfo, native):
-    from actors.sglang.server import cpu_has_bf16_matmul
+    from actors.cpu import cpu_has_bf16_matmul
 
     assert cpu_has_bf16_matmul(cpuinfo) is native
 
