@@ -51,9 +51,13 @@ def _mode_class():
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             # The mode is off inside this method, so the calls below run as torch's own.
-            if func in gemms and any(isinstance(a, torch.Tensor) and a.dtype == bf16 for a in args):
-                out = func(*map(widen, args), **{k: widen(v) for k, v in kwargs.items()})
-                return out.to(bf16)
+            if func in gemms:
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                # Only all-bf16 products on the CPU: a mixed one keeps torch's own answer (an error, or its
+                # promotion), and a product on another device is that device's.
+                if tensors and all(t.dtype == bf16 and t.device.type == "cpu" for t in tensors):
+                    out = func(*map(widen, args), **{k: widen(v) for k, v in kwargs.items()})
+                    return out.to(bf16)
             return func(*args, **kwargs)
 
     return Float32Gemms

@@ -44,6 +44,9 @@ def test_products_are_torchs_bf16_products_up_to_the_order_of_sums():
         assert differ < 0.01 and step.max().item() <= 2**-7 + 1e-6, (name, differ, step.max().item())
     with bf16_gemms.float32_gemms(on=False):
         assert torch.equal(F.linear(a, b), native["linear"])
+    # A mixed product keeps torch's own answer: here its error, not a silent bf16 result.
+    with bf16_gemms.float32_gemms(), pytest.raises(RuntimeError):
+        F.linear(a, b.float())
 
 
 def test_a_forward_is_as_far_from_float32_as_torchs_own_bf16_forward(model_dir, monkeypatch):
