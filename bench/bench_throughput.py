@@ -11,7 +11,8 @@ Two prompt sets, each measured on the same samples:
            of the shipped conversations' text, written as `{"id", "input_ids"}` rows to a temp JSONL.
 For each set:
   plain: a stock `sglang.launch_server` (bench/plain_sglang.py: CPU mode and radix cache off, plus
-         --plain-flags), a warm-up, then the in-flight window swept over --windows (8,16,32) with max_new_tokens=1;
+         --plain-flags), a warm-up, then the in-flight window swept over --windows (4,8,16,32; on a 2-core AVX2 CPU
+         window 4 was the best on both sets, throughput_cpu_*_windows_avx2.json) with max_new_tokens=1;
          the baseline is the best window. (Until 2026-12 this was the project's own ServerSpec(capture=False),
          which is not what a user would start.)
   job:   `python -m pipeline.cli run <config>` with only input.path/output.path set (plus --job-set),
@@ -236,7 +237,7 @@ def main() -> None:
         metavar="NAME:SECTION.KEY=VALUE,...",
         help="another job after the default one in every repeat, with these settings as well",
     )
-    ap.add_argument("--windows", default="8,16,32", help="the plain server's in-flight windows")
+    ap.add_argument("--windows", default="4,8,16,32", help="the plain server's in-flight windows")
     ap.add_argument("--plain-flags", default=shlex.join(USER_FLAGS), help="what a user adds to the plain server")
     ap.add_argument("--dtype", default=None, help="compute dtype of both (plain --dtype, job engine.server_flags)")
     only = ap.add_mutually_exclusive_group()
