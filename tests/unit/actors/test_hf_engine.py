@@ -515,7 +515,9 @@ def test_warm_up_runs_one_full_forward_and_counts_nothing(model_dir):
         # Where the start went, as the start-up line names it: the model's parts in their order, inside the load.
         parts = eng.phases["load_parts_s"]
         assert list(parts) == ["import", "read", "to device"]  # CPU, packing off: no checks
-        assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= eng.phases["load_s"]
+        # Each part and the load are rounded to the millisecond on their own: half a millisecond each may add up.
+        slack = 0.0005 * (len(parts) + 1)
+        assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= eng.phases["load_s"] + slack
         assert eng.phases["warm_up_s"] > 0
     assert HFEngine("unused", AUX).warmup is None  # decided at start: the device is known then
 
