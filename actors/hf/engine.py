@@ -536,6 +536,9 @@ class HFEngine:
             "padded_tokens": self.padded_tokens,
             "packed": self.packed,
             "staging": "triton" if isinstance(self._stager, TritonStager) else f"torch ({self.capture_layout})",
+            # How this actor's CPU ran the bf16 products (bf16_gemms.py): the driver's provenance cannot say,
+            # since in a cluster the actor's CPU need not be the driver's.
+            **({} if self.cuda else {"products": "float32" if self.decoder.float32_gemms else "bfloat16"}),
             **{f"{k}_s": round(v, 3) for k, v in self.timing.items()},
             **({"lead_under_a_layer": self.lead_under_a_layer} if self.cuda else {}),
             "fill_floor_tokens": int(self.min_fill * self.max_batch_tokens),

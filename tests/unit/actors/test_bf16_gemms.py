@@ -107,3 +107,13 @@ def test_the_decoders_forward_runs_inside_the_mode(model_dir, monkeypatch):
     dec.forward([[200, 201, 202]], keep=False)
     dec.close()
     assert entered == [True]
+
+
+@pytest.mark.parametrize("native, products", [(False, "float32"), (True, "bfloat16")])
+def test_the_hf_engine_reports_how_its_actors_cpu_ran_the_products(monkeypatch, native, products):
+    """The manifest's per-actor counters say it, since an actor's CPU in a cluster need not be the driver's."""
+    from actors.hf.engine import HFEngine
+
+    monkeypatch.setattr("actors.cpu.cpu_has_bf16_matmul", lambda cpuinfo=None: native)
+    assert HFEngine("unused", AUX, device="cpu").stats()["products"] == products
+    assert "products" not in HFEngine("unused", AUX, device="cuda").stats()
