@@ -17,7 +17,6 @@ import datetime
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_throughput import command_line, machine  # noqa: E402
+from timing import best_wall_s  # noqa: E402
 
 from actors.hf import bf16_gemms  # noqa: E402
 from pipeline.intake.model import resolve_model  # noqa: E402
@@ -33,13 +33,7 @@ LAYERS = (2, 15, 27, 30)  # HF hidden_states indices: the default aux layers' ou
 
 
 def best_seconds(fn, repeats: int) -> float:
-    fn()  # first call: allocations, kernel choice
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(min(times), 4)
+    return round(best_wall_s(fn, repeats), 4)  # after one uncounted call: allocations, kernel choice
 
 
 def product(repeats: int, tokens: int) -> dict:

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_throughput import machine  # noqa: E402
+from bench.timing import best_wall_s  # noqa: E402
 
 
 def write_rows(path: Path, n: int, lo: int, hi: int, vocab: int, seed: int = 5) -> int:
@@ -52,12 +53,7 @@ def per_core(path: Path, tokens: int, model_dir: str, vocab: int) -> dict:
     from pipeline.intake.stage import TokenizeLines
 
     def best(fn) -> float:
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return best_wall_s(fn, 3, warm_up=False)
 
     rows = read_lines({"path": str(path)})
     batch = pa.Table.from_pylist(rows)
