@@ -52,14 +52,11 @@ def per_core(path: Path, tokens: int, model_dir: str, vocab: int) -> dict:
     from pipeline.intake.read import read_lines
     from pipeline.intake.stage import TokenizeLines
 
-    def best(fn) -> float:
-        return best_wall_s(fn, 3, warm_up=False)
-
     rows = read_lines({"path": str(path)})
     batch = pa.Table.from_pylist(rows)
     stage = TokenizeLines(model_dir=model_dir, max_tokens=1 << 20, overlength="truncate", vocab_size=vocab)
-    read_s = best(lambda: read_lines({"path": str(path)}))
-    tok_s = best(lambda: stage(batch))
+    read_s = best_wall_s(lambda: read_lines({"path": str(path)}), 3, warm_up=False)
+    tok_s = best_wall_s(lambda: stage(batch), 3, warm_up=False)
     return {
         "read_tok_s": round(tokens / read_s),
         "tokenize_tok_s": round(tokens / tok_s),
