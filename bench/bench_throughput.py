@@ -12,7 +12,7 @@ Two prompt sets, each measured on the same samples:
 For each set:
   plain: a stock `sglang.launch_server` (bench/plain_sglang.py: CPU mode and radix cache off, plus
          --plain-flags), a warm-up, then the in-flight window swept over --windows (4,8,16,32; on a 2-core AVX2 CPU
-         window 4 was the best on both sets, throughput_cpu_*_windows_avx2.json) with max_new_tokens=1;
+         windows 4 and 8 took turns as the best between runs, throughput_cpu_*_avx2.json) with max_new_tokens=1;
          the baseline is the best window. (Until 2026-12 this was the project's own ServerSpec(capture=False),
          which is not what a user would start.)
   job:   `python -m pipeline.cli run <config>` with only input.path/output.path set (plus --job-set),
