@@ -27,6 +27,9 @@ sweep on a fresh server), every figure is the median of R, and each repeat's own
 another job after the default one in every repeat (e.g. `idle_off:ray.idle_daemons=off`), summarized the same
 way under the set's `variants`. A KEY without a section is an environment variable of that job's processes
 (e.g. `workers0:RAY_worker_niceness=0`).
+Each run also records the machine's own speed (bench/timing.machine_gflops: a float32 matmul for 3 s with nothing
+else running) before the plain sweep, between it and the job, and after the job: a shared host's speed drifts by
+more than the 10 % a ratio is judged by, and a ratio whose phases saw different speeds says so.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plain_sglang import USER_FLAGS, plain_sweeps  # noqa: E402
+from timing import machine_gflops  # noqa: E402
 
 from actors.cpu import cpu_has_bf16_matmul  # noqa: E402
 from actors.sglang.server import ServerSpec  # noqa: E402
@@ -283,16 +287,25 @@ def main() -> None:
             sweeps, jobs = [], []
             variants = {v.split(":", 1)[0]: v.split(":", 1)[1].split(",") for v in args.variant}
             variant_jobs: dict[str, list[dict]] = {v: [] for v in variants}
+            probes = []  # the machine's speed at each phase's edges, per repeat
             for r in range(args.repeats):  # plain, job(s), plain, job(s): all see the machine's drift alike
+                probe = {"before_plain": machine_gflops()}
                 with tempfile.TemporaryDirectory(dir=shm) as d:
                     spec = ServerSpec(model_dir=model_dir, aux_layers=tuple(aux), dump_dir=Path(d), cpu_threads=threads)
                     sweeps += plain_sweeps(spec, samples, windows, plain_flags, 1)
+                probe["after_plain"] = machine_gflops()
                 jobs.append(run_job(config, input_path, args.job_set, f"{r + 1}/{args.repeats}"))
+                probe["after_job"] = machine_gflops()
                 for v, sets in variants.items():
                     variant_jobs[v].append(
                         run_job(config, input_path, args.job_set + sets, f"{v} {r + 1}/{args.repeats}")
                     )
+                    probe[f"after_{v}"] = machine_gflops()
+                print(f"  machine speed (float32 matmul GFLOP/s) at the phases' edges: {probe}", flush=True)
+                probes.append(probe)
             result["sets"][name] = summarize(samples, sweeps, jobs, windows)
+            for run, probe in zip(result["sets"][name]["runs"], probes):
+                run["machine_gflops"] = probe
             if variants:
                 result["sets"][name]["variants"] = {
                     v: {"set": variants[v], **summarize(samples, sweeps, vj, windows)} for v, vj in variant_jobs.items()

@@ -18,3 +18,21 @@ def best_wall_s(fn: Callable[[], object], repeats: int, warm_up: bool = True) ->
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def machine_gflops(seconds: float = 3.0, size: int = 1024) -> float:
+    """What the machine's cores do right now: float32 matmul GFLOP/s over `seconds`, on torch's threads.
+
+    A shared host's speed drifts by more than a benchmark's margin: on a 2-core cloud host this probe read
+    124-178 GFLOP/s within four minutes with nothing else running and no steal time in /proc/stat. Taken
+    before and after each phase of a CPU benchmark, it says whether a ratio between phases was the job's
+    or the machine's."""
+    import torch  # only the CPU benchmarks that probe need it
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # the kernel's choice and the first touch of its buffers, not counted
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return round(2 * size**3 * n / (time.perf_counter() - t0) / 1e9, 1)
