@@ -24,9 +24,9 @@ def machine_gflops(seconds: float = 3.0, size: int = 1024) -> float:
     """What the machine's cores do right now: float32 matmul GFLOP/s over `seconds`, on torch's threads.
 
     A shared host's speed drifts by more than a benchmark's margin: on a 2-core cloud host this probe read
-    124-178 GFLOP/s within four minutes with nothing else running and no steal time in /proc/stat. Taken
-    before and after each phase of a CPU benchmark, it says whether a ratio between phases was the job's
-    or the machine's."""
+    95.9 to 182.9 GFLOP/s within one run, each time with nothing else running
+    (bench/results/throughput_cpu_short_probed_avx2.json). Taken before and after each phase of a CPU
+    benchmark, it says whether a ratio between phases was the job's or the machine's."""
     import torch  # only the CPU benchmarks that probe need it
 
     a, b = torch.randn(size, size), torch.randn(size, size)
