@@ -1,6 +1,7 @@
 """Who takes the CPU while the job extracts on a small machine: the SGLang server, the driver, Ray's daemons, the actor.
 
-  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--skip-idle] [--out bench/results/cpu_share_cpu.json]
+  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--skip-idle] [--layers N] [--dtype float32]
+                                  [--out bench/results/cpu_share_cpu.json]
 
 1. An idle local Ray (`ray.init`, no work), with and without its dashboard: each of its processes' CPU over
    --idle-s seconds, as a share of one core.
@@ -11,6 +12,8 @@
 3. A plain `sglang.launch_server` (bench/plain_sglang.py) on the same prompts at 16 in flight (the job's default
    window), sampled the same way: what the server takes of the cores when nothing else runs. For the server,
    both phases also give its system time and its processes' niceness.
+--layers N and --dtype D as in bench/bench_throughput.py (the model cut to its first N layers: the server of a
+CPU with native bf16 matmul, on one without; both sides computing in D).
 The sampler itself costs ~4-6 % of one core (reading /proc for every process twice a second); it is not counted
 among the roles but takes from the server like them, in both phases alike.
 """
@@ -34,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_throughput import job_tokenizer, machine, short_set  # noqa: E402
+from bench_throughput import first_layers, job_tokenizer, machine, short_set  # noqa: E402
 from plain_sglang import USER_FLAGS, plain_server, sweep  # noqa: E402
 
 from actors.sglang.server import ServerSpec  # noqa: E402
@@ -163,11 +166,11 @@ def short_prompts(prompts: int) -> tuple[Path, list[list[int]]]:
     return model_dir, short_set(tok, lines, prompts, 0)
 
 
-def plain(model_dir: Path, samples: list[list[int]], window: int = 16) -> dict:
+def plain(model_dir: Path, samples: list[list[int]], flags: tuple[str, ...], window: int = 16) -> dict:
     """The plain server alone, sampled over one pass of the prompts at `window` in flight."""
     with tempfile.TemporaryDirectory() as logs:  # the server's log goes there
         spec = ServerSpec(model_dir=model_dir, aux_layers=(), dump_dir=Path(logs), cpu_threads=os.cpu_count())
-        with Sampler() as s, plain_server(spec, USER_FLAGS) as server:
+        with Sampler() as s, plain_server(spec, USER_FLAGS + flags) as server:
             t0 = time.time()  # sweep() warms the server with 4 prompts first: ~1 s of this window
             rate = sweep(server.url, samples, [window])[window]
             t1 = time.time()
@@ -180,13 +183,13 @@ def plain(model_dir: Path, samples: list[list[int]], window: int = 16) -> dict:
     }
 
 
-def job(samples: list[list[int]]) -> dict:
+def job(samples: list[list[int]], sets: list[str]) -> dict:
     prompts = len(samples)
     with tempfile.TemporaryDirectory() as work:
         rows = Path(work) / "short.jsonl"
         rows.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": s}) + "\n" for i, s in enumerate(samples)))
         cmd = [sys.executable, "-m", "pipeline.cli", "run", "conf/default.yaml"]
-        cmd += ["--set", f"input.path={rows}", "--set", f"output.path={work}/o"]
+        cmd += [a for item in [*sets, f"input.path={rows}", f"output.path={work}/o"] for a in ("--set", item)]
         env = dict(os.environ, RAY_ADDRESS="")
         with Sampler() as s:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -210,10 +213,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=150)
     ap.add_argument("--idle-s", type=float, default=30.0)
     ap.add_argument("--skip-idle", action="store_true", help="leave out the idle-Ray phase")
+    ap.add_argument("--layers", type=int, default=0, help="the model cut to its first N decoder layers (0: whole)")
+    ap.add_argument("--dtype", default=None, help="compute dtype of both (plain --dtype, job engine.server_flags)")
     ap.add_argument("--out", default="bench/results/cpu_share_cpu.json")
     args = ap.parse_args()
     os.chdir(ROOT)
     command = f"python bench/bench_cpu_share.py --prompts {args.prompts} --idle-s {args.idle_s:g}"
+    command += f" --layers {args.layers}" * bool(args.layers) + f" --dtype {args.dtype}" * bool(args.dtype)
     result = {
         "benchmark": "CPU share by process role: an idle local Ray, the default job and a plain server on short prompts",
         "command": command + " --skip-idle" * args.skip_idle,
@@ -226,8 +232,16 @@ def main() -> None:
             "without_dashboard": idle_ray(args.idle_s, False),
         }
     model_dir, samples = short_prompts(args.prompts)
-    result["job"] = job(samples)
-    result["plain_server"] = plain(model_dir, samples)
+    flags, sets = ("--dtype", args.dtype) if args.dtype else (), []
+    if args.dtype:
+        sets.append(f"engine.server_flags=[--dtype, {args.dtype}]")
+    with tempfile.TemporaryDirectory() as work:
+        if args.layers:
+            result["model"] = f"{model_dir.name}, its first {args.layers} layers"
+            model_dir = first_layers(model_dir, args.layers, Path(work) / "model")
+            sets.append(f"model.path={model_dir}")
+        result["job"] = job(samples, sets)
+        result["plain_server"] = plain(model_dir, samples, flags)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
