@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_throughput import first_layers, job_tokenizer, machine, short_set  # noqa: E402
+from bench_throughput import cut_model, dtype_settings, job_tokenizer, machine, short_set  # noqa: E402
 from plain_sglang import USER_FLAGS, plain_server, sweep  # noqa: E402
 
 from actors.sglang.server import ServerSpec  # noqa: E402
@@ -232,13 +232,10 @@ def main() -> None:
             "without_dashboard": idle_ray(args.idle_s, False),
         }
     model_dir, samples = short_prompts(args.prompts)
-    flags, sets = ("--dtype", args.dtype) if args.dtype else (), []
-    if args.dtype:
-        sets.append(f"engine.server_flags=[--dtype, {args.dtype}]")
+    flags, sets = dtype_settings(args.dtype)
     with tempfile.TemporaryDirectory() as work:
         if args.layers:
-            result["model"] = f"{model_dir.name}, its first {args.layers} layers"
-            model_dir = first_layers(model_dir, args.layers, Path(work) / "model")
+            model_dir, result["model"] = cut_model(model_dir, args.layers, Path(work))
             sets.append(f"model.path={model_dir}")
         result["job"] = job(samples, sets)
         result["plain_server"] = plain(model_dir, samples, flags)

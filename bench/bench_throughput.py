@@ -110,10 +110,10 @@ def run_job(config: str, input_path: str, job_set: list[str], label: str) -> dic
 
 def first_layers(model_dir: Path, layers: int, dst: Path) -> Path:
     """A copy of the model with only its first `layers` decoder layers (same weights, embeddings and norm)."""
-    import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    # The weights in the dtype they are stored in, so the copy holds the same values.
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     if not 0 < layers < model.config.num_hidden_layers:
         sys.exit(f"--layers must be in 1..{model.config.num_hidden_layers - 1} for this model")
     model.model.layers = model.model.layers[:layers]
@@ -121,6 +121,17 @@ def first_layers(model_dir: Path, layers: int, dst: Path) -> Path:
     model.save_pretrained(dst)
     transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(dst)
     return dst
+
+
+def cut_model(model_dir: Path, layers: int, work: Path) -> tuple[Path, str]:
+    """`first_layers` of the model under `work`: the cut model's directory, and how a result names it."""
+    name = f"{model_dir.name}, its first {layers} of {num_hidden_layers(model_dir)} layers"
+    return first_layers(model_dir, layers, work / "model"), name
+
+
+def dtype_settings(dtype: str | None) -> tuple[tuple[str, ...], list[str]]:
+    """The plain server's flags and the job's settings that make both compute in `dtype` (None: neither set)."""
+    return (("--dtype", dtype), [f"engine.server_flags=[--dtype, {dtype}]"]) if dtype else ((), [])
 
 
 def shipped_set(tok: Tokenize, lines: list[str]) -> list[list[int]]:
@@ -271,9 +282,9 @@ def main() -> None:
     command = command_line()
     plain_flags = tuple(shlex.split(args.plain_flags))
     windows = tuple(int(w) for w in args.windows.split(","))
-    if args.dtype:
-        plain_flags += ("--dtype", args.dtype)
-        args.job_set.append(f"engine.server_flags=[--dtype, {args.dtype}]")
+    dtype_flags, dtype_sets = dtype_settings(args.dtype)
+    plain_flags += dtype_flags
+    args.job_set += dtype_sets
     config, out_path = str(Path(args.config).resolve()), Path(args.out).resolve()
     os.chdir(ROOT)  # the config's relative paths (input.path) are relative to the repository
 
@@ -291,8 +302,7 @@ def main() -> None:
     names = ["shipped"] * (not args.short_only) + ["short"] * (not args.shipped_only)
     with tempfile.TemporaryDirectory() as work:
         if args.layers:
-            result["model"] = f"{model_dir.name}, its first {args.layers} of {num_hidden_layers(model_dir)} layers"
-            model_dir = first_layers(model_dir, args.layers, Path(work) / "model")
+            model_dir, result["model"] = cut_model(model_dir, args.layers, Path(work))
             args.job_set.append(f"model.path={model_dir}")  # not in the result: a temporary path
         aux = cfg.extract.aux_layers or default_aux_layers(num_hidden_layers(model_dir))
         threads = cfg.engine.cpu_threads or os.cpu_count()
