@@ -1,10 +1,14 @@
 """Who takes the CPU while the job extracts on a small machine: the SGLang server, the driver, Ray's daemons, the actor.
 
-  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--skip-idle] [--layers N] [--dtype float32]
+  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--skip-idle | --idle-only] [--layers N]
+                                  [--dtype float32] [--idle-variant NAME:K=V,...] [--idle-repeats 1]
                                   [--out bench/results/cpu_share_cpu.json]
 
 1. An idle local Ray (`ray.init`, no work), with and without its dashboard: each of its processes' CPU over
-   --idle-s seconds, as a share of one core.
+   --idle-s seconds, as a share of one core. Each --idle-variant runs the dashboard's idle phase again under
+   Ray settings given as environment variables (RAY_<name>, read by every Ray process at its start), e.g. its
+   internal report periods: whether Ray's fixed share of a small machine can be tuned away. With
+   --idle-repeats N the phases take turns N times, since an idle share moves by ~1 % of a core between runs.
 2. The default job (`harvest run conf/default.yaml`, SGLang in CPU mode) on the short prompt set of
    bench/bench_throughput.py: every process of this user sampled from /proc every 0.5 s, and each role's CPU
    from the moment the engine was up to the last result (the manifest's clock), as a share of one core. On a
@@ -136,12 +140,12 @@ class Sampler:
         }
 
 
-def idle_ray(seconds: float, dashboard: bool) -> dict[str, float]:
+def idle_ray(seconds: float, dashboard: bool, ray_env: dict[str, str] | None = None) -> dict[str, float]:
     code = (
         "import ray, time, sys; ray.init(num_cpus=2, include_dashboard=sys.argv[1] == '1'); "
         "print('up', flush=True); time.sleep(float(sys.argv[2]))"
     )
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="", **(ray_env or {}))
     with Sampler() as s:
         proc = subprocess.Popen(
             [sys.executable, "-c", code, "1" if dashboard else "0", str(seconds + 20)],
@@ -213,24 +217,43 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=150)
     ap.add_argument("--idle-s", type=float, default=30.0)
     ap.add_argument("--skip-idle", action="store_true", help="leave out the idle-Ray phase")
+    ap.add_argument("--idle-only", action="store_true", help="only the idle-Ray phase")
+    ap.add_argument("--idle-variant", action="append", default=[], type=idle_variant, help="NAME:RAY_X=V,RAY_Y=W")
+    ap.add_argument("--idle-repeats", type=int, default=1)
     ap.add_argument("--layers", type=int, default=0, help="the model cut to its first N decoder layers (0: whole)")
     ap.add_argument("--dtype", default=None, help="compute dtype of both (plain --dtype, job engine.server_flags)")
     ap.add_argument("--out", default="bench/results/cpu_share_cpu.json")
     args = ap.parse_args()
+    if args.skip_idle and args.idle_only:
+        ap.error("--skip-idle and --idle-only leave nothing to measure")
     os.chdir(ROOT)
-    command = f"python bench/bench_cpu_share.py --prompts {args.prompts} --idle-s {args.idle_s:g}"
+    command = "python bench/bench_cpu_share.py" + f" --prompts {args.prompts}" * (not args.idle_only)
+    command += f" --idle-s {args.idle_s:g}"
     command += f" --layers {args.layers}" * bool(args.layers) + f" --dtype {args.dtype}" * bool(args.dtype)
     result = {
         "benchmark": "CPU share by process role: an idle local Ray, the default job and a plain server on short prompts",
-        "command": command + " --skip-idle" * args.skip_idle,
+        "command": command
+        + " --skip-idle" * args.skip_idle
+        + " --idle-only" * args.idle_only
+        + "".join(
+            f" --idle-variant {name}:{','.join(f'{k}={v}' for k, v in env.items())}" for name, env in args.idle_variant
+        )
+        + f" --idle-repeats {args.idle_repeats}" * (args.idle_repeats != 1),
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
     }
     if not args.skip_idle:
-        result["idle_ray"] = {
-            "with_dashboard": idle_ray(args.idle_s, True),
-            "without_dashboard": idle_ray(args.idle_s, False),
-        }
+        phases = {"with_dashboard": (True, {}), "without_dashboard": (False, {})}
+        phases |= {name: (True, env) for name, env in args.idle_variant}
+        runs = {name: [] for name in phases}
+        for _ in range(max(1, args.idle_repeats)):
+            for name, (dashboard, env) in phases.items():
+                runs[name].append(idle_ray(args.idle_s, dashboard, env))
+        result["idle_ray"] = {name: r[0] if len(r) == 1 else r for name, r in runs.items()}
+        result["idle_ray_env"] = {name: env for name, env in args.idle_variant}
+    if args.idle_only:
+        finish(result, args.out)
+        return
     model_dir, samples = short_prompts(args.prompts)
     flags, sets = dtype_settings(args.dtype)
     with tempfile.TemporaryDirectory() as work:
@@ -239,8 +262,21 @@ def main() -> None:
             sets.append(f"model.path={model_dir}")
         result["job"] = job(samples, sets)
         result["plain_server"] = plain(model_dir, samples, flags)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    finish(result, args.out)
+
+
+def idle_variant(text: str) -> tuple[str, dict[str, str]]:
+    """'NAME:RAY_X=V,RAY_Y=W' -> (NAME, {RAY_X: V, ...}); only Ray's own settings (RAY_ prefix)."""
+    name, sep, pairs = text.partition(":")
+    env = dict(kv.split("=", 1) for kv in pairs.split(",") if "=" in kv)
+    if not sep or not name or not env or any(not k.startswith("RAY_") for k in env):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:RAY_X=V[,RAY_Y=W...]")
+    return name, env
+
+
+def finish(result: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
