@@ -224,6 +224,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="compute dtype of both (plain --dtype, job engine.server_flags)")
     ap.add_argument("--out", default="bench/results/cpu_share_cpu.json")
     args = ap.parse_args()
+    if args.idle_repeats < 1:
+        ap.error("--idle-repeats: at least 1")
     if args.skip_idle and args.idle_only:
         ap.error("--skip-idle and --idle-only leave nothing to measure")
     os.chdir(ROOT)
@@ -246,7 +248,7 @@ def main() -> None:
         phases = {"with_dashboard": (True, {}), "without_dashboard": (False, {})}
         phases |= {name: (True, env) for name, env in args.idle_variant}
         runs = {name: [] for name in phases}
-        for _ in range(max(1, args.idle_repeats)):
+        for _ in range(args.idle_repeats):
             for name, (dashboard, env) in phases.items():
                 runs[name].append(idle_ray(args.idle_s, dashboard, env))
         result["idle_ray"] = {name: r[0] if len(r) == 1 else r for name, r in runs.items()}
@@ -268,8 +270,17 @@ def main() -> None:
 def idle_variant(text: str) -> tuple[str, dict[str, str]]:
     """'NAME:RAY_X=V,RAY_Y=W' -> (NAME, {RAY_X: V, ...}); only Ray's own settings (RAY_ prefix)."""
     name, sep, pairs = text.partition(":")
-    env = dict(kv.split("=", 1) for kv in pairs.split(",") if "=" in kv)
-    if not sep or not name or not env or any(not k.startswith("RAY_") for k in env):
+    parts = pairs.split(",") if pairs else []
+    env = dict(kv.split("=", 1) for kv in parts if "=" in kv)
+    taken = name in ("with_dashboard", "without_dashboard")  # the default phases' names
+    if (
+        not sep
+        or not name
+        or taken
+        or not parts
+        or len(env) != len(parts)
+        or any(not k.startswith("RAY_") for k in env)
+    ):
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:RAY_X=V[,RAY_Y=W...]")
     return name, env
 

@@ -14,7 +14,18 @@ def test_idle_variant_reads_name_and_ray_settings():
     assert env == {"RAY_metrics_report_interval_ms": "60000", "RAY_event_stats": "0"}
 
 
-@pytest.mark.parametrize("text", ["slow", "slow:", ":RAY_event_stats=0", "slow:OMP_NUM_THREADS=1", "slow:RAY_x"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "slow",
+        "slow:",
+        ":RAY_event_stats=0",
+        "slow:OMP_NUM_THREADS=1",
+        "slow:RAY_x",
+        "slow:RAY_event_stats=0,junk",
+        "with_dashboard:RAY_event_stats=0",
+    ],
+)
 def test_idle_variant_refuses_what_is_not_a_ray_setting(text):
     with pytest.raises(argparse.ArgumentTypeError):
         idle_variant(text)
