@@ -41,7 +41,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_throughput import cut_model, dtype_settings, job_tokenizer, machine, short_set  # noqa: E402
+from bench_throughput import (  # noqa: E402
+    command_line,
+    cut_model,
+    dtype_settings,
+    job_tokenizer,
+    machine,
+    short_set,
+)
 from plain_sglang import USER_FLAGS, plain_server, sweep  # noqa: E402
 
 from actors.sglang.server import ServerSpec  # noqa: E402
@@ -228,19 +235,11 @@ def main() -> None:
         ap.error("--idle-repeats: at least 1")
     if args.skip_idle and args.idle_only:
         ap.error("--skip-idle and --idle-only leave nothing to measure")
+    command = command_line()  # before the chdir: it resolves the script's path as typed
     os.chdir(ROOT)
-    command = "python bench/bench_cpu_share.py" + f" --prompts {args.prompts}" * (not args.idle_only)
-    command += f" --idle-s {args.idle_s:g}"
-    command += f" --layers {args.layers}" * bool(args.layers) + f" --dtype {args.dtype}" * bool(args.dtype)
     result = {
         "benchmark": "CPU share by process role: an idle local Ray, the default job and a plain server on short prompts",
-        "command": command
-        + " --skip-idle" * args.skip_idle
-        + " --idle-only" * args.idle_only
-        + "".join(
-            f" --idle-variant {name}:{','.join(f'{k}={v}' for k, v in env.items())}" for name, env in args.idle_variant
-        )
-        + f" --idle-repeats {args.idle_repeats}" * (args.idle_repeats != 1),
+        "command": command,
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
     }
