@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
-LOCAL_PATH = re.compile(r"(?<![\w.])/(?:tmp|root|home|work|Users|mnt|scratch)/")
+# The roots a run's own paths start from (scratch space, a home, a mount).
+LOCAL_PATH = re.compile(r"(?<![\w.])/(?:tmp|root|home|Users|mnt)/")
 
 
 def _commands(node) -> list[str]:
