@@ -236,3 +236,65 @@ def test_an_engine_without_counters_sends_none(tmp_path):
     rows = stage(batch("a", 2)).to_pylist()
     stage.close()
     assert {r["engine_stats"] for r in rows} == {""}
+
+
+def test_row_groups_are_written_while_the_batch_keeps_taking_its_captures(tmp_path):
+    """A row group on its way to the disk holds no capture back: every row group here waits until the stage has
+    validated every capture of the batch, which a stage writing on its capturing thread would never do."""
+    n = 5
+    validated = threading.Event()
+    calls = []
+    real_check = extractor_module.check_capture
+    waited: list[bool] = []
+
+    def counting_check(*args):
+        calls.append(1)
+        if len(calls) == n:
+            validated.set()
+        return real_check(*args)
+
+    class HeldWriter(extractor_module.ShardWriter):
+        def _flush(self):
+            if self._pending:
+                waited.append(validated.wait(timeout=5))
+            super()._flush()
+
+    with (
+        mock.patch.object(extractor_module, "check_capture", counting_check),
+        mock.patch.object(extractor_module, "ShardWriter", HeldWriter),
+        mock.patch.object(extractor_module, "engine_class", lambda name: lambda **_: StandInEngine(1, 0.01)),
+    ):
+        stage = HiddenStateExtractor("stand-in", {}, LAYOUT, str(tmp_path), retries=1, row_group_bytes=1)
+        rows = stage(batch("w", n)).to_pylist()
+    stage.close()
+    assert waited and all(waited)  # no row group was written before the last capture was taken
+    assert {r["status"] for r in rows} == {"ok"}
+    (name,) = {r["shard"] for r in rows}
+    assert pq.ParquetFile(tmp_path / name).metadata.num_row_groups == n  # one per sample (row_group_bytes=1)
+    assert sorted(s["sample_id"] for s in open_shards(str(tmp_path), as_torch=False)) == [f"w-{i}" for i in range(n)]
+
+
+def test_a_shard_that_cannot_be_written_fails_its_batch_and_leaves_nothing(tmp_path):
+    """The writer's error reaches the batch (Ray retries it); no shard, temporary or index entry is left, and the
+    actor's next batch commits as usual."""
+    failing = {"left": 1}
+
+    class FullDisk(extractor_module.ShardWriter):
+        def _flush(self):
+            if self._pending and failing["left"]:
+                failing["left"] -= 1
+                raise OSError(28, "No space left on device")
+            super()._flush()
+
+    with (
+        mock.patch.object(extractor_module, "ShardWriter", FullDisk),
+        mock.patch.object(extractor_module, "engine_class", lambda name: lambda **_: StandInEngine(2, 0.0)),
+    ):
+        stage = HiddenStateExtractor("stand-in", {}, LAYOUT, str(tmp_path), retries=1, row_group_bytes=1)
+        with pytest.raises(OSError, match="No space left"):
+            stage(batch("x", 4))
+        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        rows = stage(batch("y", 3)).to_pylist()
+    stage.close()
+    assert {r["status"] for r in rows} == {"ok"}
+    assert sorted(s["sample_id"] for s in open_shards(str(tmp_path), as_torch=False)) == ["y-0", "y-1", "y-2"]
