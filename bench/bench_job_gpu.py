@@ -310,11 +310,13 @@ def job(
     forward_log: Path | None = None,
     gil_profile: tuple[str, Path] | None = None,
     verify: bool = True,
+    tree: Path = ROOT,
 ) -> dict:
     """One `harvest run`; a setting passed as None is left to the engine's own default for the device.
 
     forward_log: each engine's forwards are logged there (actors/hf/engine.py, HIDDEN_HARVEST_FORWARD_LOG);
-    gil_profile: (py-spy, where its samples go): which actor thread holds the interpreter lock meanwhile."""
+    gil_profile: (py-spy, where its samples go): which actor thread holds the interpreter lock meanwhile;
+    tree: the checkout of the project whose code runs the job (bench/bench_job_ab.py runs two on one machine)."""
     out = work / f"out-{actors}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
@@ -336,10 +338,12 @@ def job(
         *extra_sets,
     ]
     sets, job_env = split_env(sets)  # a variant's keys without a section are environment variables
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "conf" / "default.yaml")] + [
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(tree / "conf" / "default.yaml")] + [
         a for s in sets for a in ("--set", s)
     ]
     env = dict(os.environ) | job_env
+    if tree != ROOT:  # its code first, in the driver and in the actors (Ray's workers inherit this environment)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
     if forward_log is not None:
         shutil.rmtree(forward_log, ignore_errors=True)
         forward_log.mkdir(parents=True)
@@ -351,7 +355,7 @@ def job(
         profiler = GilProfile(gil_profile[0], gil_profile[1], forward_log)
         profiler.start()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
     gil = profiler.result() if profiler is not None else None
     tail = (proc.stdout + proc.stderr)[-3000:]
@@ -363,7 +367,7 @@ def job(
     t1 = time.monotonic()
     ver = (
         subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "verify", str(out)], cwd=ROOT, capture_output=True, text=True
+            [sys.executable, "-m", "pipeline.cli", "verify", str(out)], cwd=tree, capture_output=True, text=True
         )
         if verify
         else None
