@@ -20,11 +20,7 @@ Parquet writer's writes). No bare engine runs here: the ratio is after / before,
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_job_gpu import job, log, make_model, make_prompts  # noqa: E402 - after the path that makes `bench` importable
+from bench.bench_job_gpu import job, log, start_run  # noqa: E402 - after the path that makes `bench` importable
 
 
 def tail(result: dict) -> dict:
@@ -97,30 +93,10 @@ def main() -> None:
     if len(trees) < 2:
         ap.error("--tree: two checkouts or more")
 
-    args.work.mkdir(parents=True, exist_ok=True)
-    machine = "cpu"
-    if args.device == "cuda":
-        import torch
-
-        machine = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    model_dir = make_model(args.work, args.shape, args.tokenizer, args.device)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompts_path, prompts = make_prompts(args.work, args.prompts, args.min_len, args.max_len, vocab, args.lengths)
-    result = {
-        "benchmark": "the same job from two checkouts of the project, alternated on one machine",
-        "machine": machine,
-        "cpu_cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "command": shlex.join(["python", "bench/bench_job_ab.py"] + sys.argv[1:]),
-        "shape": args.shape,
-        "prompts": {
-            "count": args.prompts,
-            "min_len": args.min_len,
-            "max_len": args.max_len,
-            "lengths": args.lengths,
-            "tokens": sum(map(len, prompts)),
-        },
+    model_dir, prompts_path, _, result = start_run(
+        args, "the same job from two checkouts of the project, alternated on one machine"
+    )
+    result |= {
         "trees": list(trees),
         "runs": [],
     }

@@ -576,6 +576,36 @@ def window(last_run: dict) -> dict:
     return out
 
 
+def start_run(args: argparse.Namespace, benchmark: str) -> tuple[Path, Path, list[list[int]], dict]:
+    """The model and prompts under --work (made once), and a result's header: what ran, where, when, on what."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    machine = "cpu"
+    if args.device == "cuda":
+        import torch
+
+        machine = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    model_dir = make_model(args.work, args.shape, args.tokenizer, args.device)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts_path, prompts = make_prompts(args.work, args.prompts, args.min_len, args.max_len, vocab, args.lengths)
+    header = {
+        "benchmark": benchmark,
+        "machine": machine,
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": shlex.join(["python", f"bench/{Path(sys.argv[0]).name}"] + sys.argv[1:]),
+        "shape": args.shape,
+        "prompts": {
+            "count": args.prompts,
+            "min_len": args.min_len,
+            "max_len": args.max_len,
+            "lengths": args.lengths,
+            "tokens": sum(map(len, prompts)),
+        },
+    }
+    return model_dir, prompts_path, prompts, header
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, required=True)
@@ -616,33 +646,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "job_gpu.json")
     args = ap.parse_args()
 
-    args.work.mkdir(parents=True, exist_ok=True)
-    machine = "cpu"
-    if args.device == "cuda":
-        import torch
-
-        machine = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    model_dir = make_model(args.work, args.shape, args.tokenizer, args.device)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompts_path, prompts = make_prompts(args.work, args.prompts, args.min_len, args.max_len, vocab, args.lengths)
-    result = {
-        "benchmark": "whole job (Ray Data, hf engine actors, validation, committed shards, verify) vs bare engine prefill",
-        "machine": machine,
-        "cpu_cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "command": shlex.join(["python", "bench/bench_job_gpu.py"] + sys.argv[1:]),
-        "shape": args.shape,
-        "model": json.loads((model_dir / "config.json").read_text()) | {"weights": "random init"},
-        "prompts": {
-            "count": args.prompts,
-            "min_len": args.min_len,
-            "max_len": args.max_len,
-            "lengths": args.lengths,
-            "tokens": sum(map(len, prompts)),
-        },
-        "job": [],
-    }
+    model_dir, prompts_path, prompts, result = start_run(
+        args, "whole job (Ray Data, hf engine actors, validation, committed shards, verify) vs bare engine prefill"
+    )
+    result["model"] = json.loads((model_dir / "config.json").read_text()) | {"weights": "random init"}
+    result["job"] = []
 
     clock = GpuClock(args.out.parent / "gpu_clock.csv").start() if args.device == "cuda" else None
 
