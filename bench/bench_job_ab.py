@@ -32,19 +32,13 @@ from bench.bench_job_gpu import job, log, start_run  # noqa: E402 - after the pa
 
 
 def tail(result: dict) -> dict:
-    """The run's end taken apart, from its (one) actor's engine counters of the last batch committed."""
-    (actor,) = (result.get("per_actor") or {}).values()
-    e = actor["engine"]
-    done = e["last_done_unix"]
-    io = e.get("shard_io") or {}
-
-    def since(key: str) -> float | None:
-        return round(e[key] - done, 3) if e.get(key) else None
-
+    """The run's end taken apart (bench_job_gpu.window's split for its one actor), with the shards' write rate."""
+    (w,) = result["window"].values()
+    io = w.get("shard_io") or {}
     return {
-        "captured_after_s": since("batch_captured_unix"),
-        "encoded_after_s": since("batch_encoded_unix"),
-        "committed_after_s": since("batch_committed_unix"),
+        "captured_after_s": w["last_batch_captured_after_results_s"],
+        "encoded_after_s": w["last_batch_encoded_after_results_s"],
+        "committed_after_s": w["last_commit_after_results_s"],
         "write_gb_s": round(io["bytes"] / io["write_s"] / 1e9, 3) if io.get("write_s") else None,
     }
 

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from bench.bench_job_ab import summary, tail
-from bench.bench_job_gpu import ROOT, job
+from bench.bench_job_gpu import ROOT, job, window
 
 
 def checkout(dest: Path) -> Path:
@@ -39,18 +39,21 @@ def test_the_job_runs_the_code_of_the_checkout_it_is_given(model_dir, tmp_path):
 
 def run(tree: str, tok_s: float, done: float, committed: float) -> dict:
     engine = {
+        "first_forward_unix": done - 30.0,
         "last_done_unix": done,
         "batch_captured_unix": done + 0.1,
         "batch_encoded_unix": done + 0.2,
         "batch_committed_unix": committed,
         "shard_io": {"bytes": 4_000_000_000, "write_s": 2.0},
+        "padded_tokens": 100,
+        "real_tokens": 100,
     }
-    return {
-        "tree": tree,
-        "tok_s": tok_s,
-        "us_per_padded_token": 30.0,
-        "tail": tail({"per_actor": {"a": {"engine": engine}}}),
+    last_run = {
+        "engines_ready_unix": done - 31.0,
+        "last_result_unix": committed + 0.02,
+        "per_actor": {"a": {"engine": engine}},
     }
+    return {"tree": tree, "tok_s": tok_s, "us_per_padded_token": 30.0, "tail": tail({"window": window(last_run)})}
 
 
 def test_the_tail_is_taken_apart_from_the_engines_last_results_and_the_medians_compared():
