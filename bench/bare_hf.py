@@ -1,37 +1,26 @@
 """The benchmarks' baseline: the hf engine with nothing kept.
 
 The same batching, forwards, worker and finisher threads and the same device clock as the capturing
-engine (actors/hf/engine.py), without the capture: no hooks keep outputs, nothing is staged or copied, and
-each request resolves with no capture once its forward has run. What a job costs beyond this is what
-capturing, validating, encoding and committing cost.
+engine (actors/hf/engine.py), without the capture: its `outputs="discard"` mode keeps no hooked outputs,
+stages and copies nothing, and resolves each request with no capture once its forward has run
+(actors/hf/outputs.py, DiscardOutputs). What a job costs beyond this is what capturing, validating,
+encoding and committing cost.
 """
 
 from __future__ import annotations
 
 import time
 
-from actors.engine import RequestResult
-from actors.hf.engine import HFEngine, _Staged
+from actors.hf.engine import HFEngine
 
 
 class BareHFEngine(HFEngine):
-    _keeps = False
+    """HFEngine(outputs="discard") with torch's own attention kernel choice: the baseline at its best, whose
+    per-shape cuDNN plans are all built by a repeated pass over the same prompts (the passes the benchmarks
+    take the best of)."""
 
     def __init__(self, *args, cudnn_attention: str = "always", **kwargs):
-        # The baseline at its best: torch's own kernel choice everywhere, whose per-shape cuDNN plans are all
-        # built by a repeated pass over the same prompts (the passes the benchmarks take the best of).
-        super().__init__(*args, cudnn_attention=cudnn_attention, **kwargs)
-
-    def _stage(self, batch, ids) -> _Staged:
-        if self.cuda:
-            self._mark("end")()  # the finisher waits on it: results resolve once the forward has run
-        return _Staged(batch, ids)
-
-    def _resolve(self, staged: _Staged) -> None:
-        now = time.monotonic()
-        self.last_done_unix = time.time()
-        for r in staged.batch:
-            r.future.set_result(RequestResult(r.key, None, None, now - r.submitted))
+        super().__init__(*args, cudnn_attention=cudnn_attention, outputs="discard", **kwargs)
 
 
 def plain_loop(model_dir: str, prompts: list[list[int]], batch_tokens: int, device: str, passes: int = 2) -> dict:

@@ -314,7 +314,7 @@ def job(
 ) -> dict:
     """One `harvest run`; a setting passed as None is left to the engine's own default for the device.
 
-    forward_log: each engine's forwards are logged there (actors/hf/engine.py, HIDDEN_HARVEST_FORWARD_LOG);
+    forward_log: each engine's forwards are logged there (debug.forward_log, actors/hf/device_clock.py);
     gil_profile: (py-spy, where its samples go): which actor thread holds the interpreter lock meanwhile;
     tree: the checkout of the project whose code runs the job (bench/bench_job_ab.py runs two on one machine)."""
     out = work / f"out-{actors}"
@@ -335,6 +335,7 @@ def job(
         *(f"{k}={v}" for k, v in chosen.items() if v is not None),
         f"extract.max_tokens={max_tokens}",
         "progress.interval_s=5",
+        *([f"debug.forward_log={forward_log.resolve()}"] if forward_log is not None else []),
         *extra_sets,
     ]
     sets, job_env = split_env(sets)  # a variant's keys without a section are environment variables
@@ -347,7 +348,6 @@ def job(
     if forward_log is not None:
         shutil.rmtree(forward_log, ignore_errors=True)
         forward_log.mkdir(parents=True)
-        env["HIDDEN_HARVEST_FORWARD_LOG"] = str(forward_log)
     profiler = None
     if gil_profile is not None and forward_log is not None:
         from bench.gil_profile import GilProfile
@@ -494,9 +494,9 @@ def replay(model_dir: Path, rows: list[dict], device: str, aux: list[int], passe
     groups = [r["lengths"] for r in rows]
 
     class Replay(BareHFEngine):
-        def _take(self, pool):
+        def take(self, pool):
             if not any(r.key.startswith("f") for r in pool):  # the engine's own warm-up, before the replay
-                return super()._take(pool)
+                return super().take(pool)
             # The next logged forward's requests, as the job's engine took them.
             want = f"f{self.next_group}-"
             batch = [r for r in pool if r.key.startswith(want)]
@@ -512,12 +512,13 @@ def replay(model_dir: Path, rows: list[dict], device: str, aux: list[int], passe
         for _ in range(passes):
             eng.reset_stats()
             eng.next_group = 0
-            with eng._cv:  # all queued before the worker takes the first
-                futures = [
-                    eng.submit(f"f{j}-{i}", rng.integers(100, eng.vocab_size, size=n).tolist())
+            futures = eng.submit_together(  # all queued before the worker takes the first
+                [
+                    (f"f{j}-{i}", rng.integers(100, eng.vocab_size, size=n).tolist())
                     for j, g in enumerate(groups)
                     for i, n in enumerate(g)
                 ]
+            )
             for f in futures:
                 f.result()
             s = eng.stats()

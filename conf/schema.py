@@ -67,18 +67,18 @@ class _EngineBase(_Strict):
 class SGLangEngineConfig(_EngineBase):
     # A real SGLang server per actor with the capture hook (patches/).
     name: Literal["sglang"] = "sglang"
-    # Requests one actor keeps in flight against its server (shared by all its batches). 16: on a 2-core
-    # bf16 CPU a plain server did 2,360 / 2,478 tok/s at 16 against 2,230 / 2,243 at 8 (shipped / short set,
-    # bench/results/throughput_cpu_bf16.json); the capture engine alone was within 3 % either way
-    # (server_warmth_cpu.json).
+    # Requests one actor keeps in flight against its server (shared by all its batches). 16: a plain server's
+    # best on a bf16 CPU, and the capture engine alone does as well at 16 as at 8
+    # (bench/results/throughput_cpu_bf16.json, server_warmth_cpu.json).
     max_in_flight: int = Field(16, ge=1)
     # Prefill chunk size in tokens: bounds prefill memory (hybrid-attention models need chunking); the hook
     # assembles each request's chunks, so long prompts come out whole. -1 turns chunking off.
     chunked_prefill_size: int = Field(8192, ge=-1)
     server_flags: tuple[str, ...] = ()
     # CPU mode: the dtype the server computes in (states are stored as bf16 either way). auto: float32 where
-    # the CPU has no native bf16 matmul (no avx512_bf16/amx_bf16), where bf16 ran ~6x slower; the model's own
-    # elsewhere. model: always the model's. A --dtype in server_flags overrides both.
+    # the CPU has no native bf16 matmul (no avx512_bf16/amx_bf16), where bf16 products run several times
+    # slower (bench/results/bf16_gemms_cpu.json); the model's own elsewhere. model: always the model's. A --dtype
+    # in server_flags overrides both.
     cpu_dtype: Literal["auto", "model", "float32"] = "auto"
     request_timeout_s: float = Field(600.0, gt=0)
     # How long a dump may take to appear after its answer (the hook publishes from a thread).
@@ -98,26 +98,14 @@ class HFEngineConfig(_EngineBase):
     # Padded tokens per forward (requests are batched by length up to this). On CUDA the engine runs one
     # forward of this size at start, so a size the GPU cannot hold is refused there.
     max_batch_tokens: int = Field(16384, ge=1)
-    # Below this share of max_batch_tokens a forward takes more requests whatever their padding: fewer, fuller
-    # forwards where the host's launches would leave the device waiting. None: the device's default (1.0 on a
-    # GPU, every forward filled; 1/8 on a CPU, where padding is all cost); "measured": set on a GPU from the
-    # host's launch time and the device's time per token (actors/hf/batching.py, FillFloor).
-    fill_floor: float | Literal["measured"] | None = None
     # Packed forwards: the requests end to end in one row, each attending only to itself, no padding
-    # (actors/hf/packing.py). off: padded rows, fill_floor applies; auto: packed wherever the model's attention
-    # allows it and a packed forward matches a padded one at start, padded otherwise (logged); on: the same,
-    # but an engine that cannot pack fails at start; None: the device's default, auto on a GPU and off on a
-    # CPU (unmeasured there). On a GPU a job's padded forwards pay for their padding and for shapes new to the
-    # process (cuDNN's per-shape plan, or the flash kernel in its place); packed ones pay for neither: on an
-    # H100 the job ran at 0.978 of the bare engine at its best packed against 0.951 padded on the benchmark's
-    # mix, 0.973 against 0.927 on a long-tailed one (bench/results/benchmix_packed_default_h100.json,
-    # longtail_packed_default_h100.json), though the bare engine itself is no faster packed.
+    # (actors/hf/packing.py). off: padded rows, debug.fill_floor applies; auto: packed wherever the model's
+    # attention allows it and a packed forward matches a padded one at start, padded otherwise (logged); on:
+    # the same, but an engine that cannot pack fails at start; None: the device's default, auto on a GPU and
+    # off on a CPU (unmeasured there). On a GPU a job's padded forwards pay for their padding and for shapes
+    # new to the process (cuDNN's per-shape plan, or the flash kernel in its place) and packed ones for neither
+    # (bench/results/benchmix_packed_default_h100.json, longtail_packed_default_h100.json).
     packing: Literal["auto", "on", "off"] | None = None
-    # CUDA: where attention may use cuDNN's kernel (torch's default pick on Hopper). warm: a new forward shape
-    # whose attention is light (at most a full forward of 2,048-token rows) runs the flash kernel, because cuDNN
-    # first builds a plan for each shape on the forward thread (~300 ms) and a job's forwards rarely repeat one;
-    # heavier shapes and shapes that come back run cuDNN's (actors/hf/decoder.py). always: torch decides.
-    cudnn_attention: Literal["warm", "always"] = "warm"
 
     @field_validator("packing", mode="before")
     @classmethod
@@ -125,16 +113,8 @@ class HFEngineConfig(_EngineBase):
         # YAML reads a bare on/off as true/false.
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
-    @field_validator("fill_floor")
-    @classmethod
-    def _share(cls, v):
-        if isinstance(v, float) and not 0 < v <= 1:
-            raise ValueError(f'fill_floor {v}: a share of max_batch_tokens in (0, 1], "measured", or null')
-        return v
-
-    # On a GPU the engine fills each forward from the requests of every batch it holds: 16 batches of 128
-    # reached 0.92 of the bare engine on the H200 where 2 of 32 left it idle between batches
-    # (bench/results/job_h200.json).
+    # On a GPU the engine fills each forward from the requests of every batch it holds: many large batches
+    # keep the device busy where a few small ones leave it idle between batches (bench/results/job_h200.json).
     BATCHES: ClassVar[dict[bool, tuple[int, int]]] = {False: (2, 32), True: (16, 128)}
 
     @field_validator("tp_size")
@@ -210,10 +190,11 @@ class ExtractConfig(_Strict):
 class OutputConfig(_Strict):
     # Local directory or s3://bucket/prefix.
     path: str
-    # planes_zstd: bf16 bits as byte planes, the high plane zstd-compressed (~0.70 of raw);
+    # planes_zstd: bf16 bits as byte planes, the high plane zstd-compressed;
     # raw: the same planes uncompressed, for storage faster than the CPUs can compress;
     # fp8: lossy, e4m3 with a float32 scale per token per layer, quantized by the engine on its device
-    # (~0.43 of raw; every reader gives bf16 back). See pipeline/format/codec.py and the README.
+    # (every reader gives bf16 back; bench/results/fp8_default_model.json). See pipeline/format/codec.py and
+    # the README.
     encoding: Literal["planes_zstd", "raw", "fp8"] = "planes_zstd"
     zstd_level: int = Field(1, ge=1, le=22)
     # Threads one actor uses to compress hidden states (None: min(16, this host's cores)).
@@ -252,8 +233,8 @@ class GenerateConfig(_Strict):
     # true regenerates them too, as the text the model writes (its own tool-call syntax), without tool_calls.
     regenerate_tool_turns: bool = False
     # Requests one actor keeps in flight for generation. Decode batches every running request into one
-    # step, so throughput grows with the window well past extraction's: 48 was a plain server's best on the
-    # 2-core CPU (bench/results/regenerate_cpu.json).
+    # step, so throughput grows with the window well past extraction's: 48 was a plain server's best on a CPU
+    # (bench/results/regenerate_cpu.json).
     max_in_flight: int = Field(48, ge=1)
     # Conversations per actor batch (one part file each); batches_per_actor of them are held at once, so the
     # window stays full across batch boundaries.
@@ -289,15 +270,16 @@ class PlanConfig(_Strict):
     # Memory the ledger may use before it spills to its directory.
     ledger_memory_mb: int = Field(512, ge=64)
     ledger_threads: int = Field(2, ge=1)
-    # Reads in flight of the committed-ids index, and of the committed files it does not cover (object storage
-    # answers each request in tens of ms: one at a time, 10,000 shards were minutes).
+    # Reads in flight of the committed-ids index, and of the committed files it does not cover: object storage
+    # answers each request slowly, and one at a time a large output's files take minutes
+    # (bench/results/resume_s3_cpu.json).
     read_threads: int = Field(32, ge=1, le=256)
     # Rows per batch of the planner's streams through the driver (samples into the ledger, keys out of it).
     batch_rows: int = Field(65536, ge=1024)
     # While the run goes on, the driver folds the batches' index entries into one per this many batches, so a
-    # resume (after a kill or not) reads few entries, each of a bounded size (pipeline/driver/checkpoint.py).
-    # Measured on S3 with 10,000 shards: checkpoints of 256 took resume to its first batch in 41.5 s, one entry
-    # of all 1,000,000 ids in 49.7 s (read whole by one thread) and more driver memory.
+    # resume (after a kill or not) reads few entries, each of a bounded size (pipeline/driver/checkpoint.py):
+    # faster to the first batch and lighter on the driver than one entry of every id
+    # (bench/results/resume_s3_cpu.json).
     checkpoint_every: int = Field(256, ge=1)
 
 
@@ -306,10 +288,40 @@ class RayConfig(_Strict):
     address: str | None = None
     num_cpus: int | None = Field(None, ge=1)
     object_store_memory_mb: int | None = Field(None, ge=75)
-    # The dashboard of a Ray this job starts itself (no address). Its processes take ~3 % of a 2-core
-    # machine's CPU from the engine during a job (README, "Configuration"); off leaves the one-line status and the
-    # logs. A cluster's dashboard is the cluster's own setting.
+    # The dashboard of a Ray this job starts itself (no address). Its processes take CPU from the engine during
+    # a job (bench/results/cpu_share_cpu.json); off leaves the one-line status and the logs. A cluster's
+    # dashboard is the cluster's own setting.
     dashboard: bool = True
+
+
+class DebugConfig(_Strict):
+    """Profiling and benchmark switches that a production run leaves alone. Each names the engine that reads
+    it; the sglang engine reads none of them and ignores them."""
+
+    # hf engine, CUDA: a directory where each engine process writes one JSON line per forward (its shape and
+    # device clock, actors/hf/device_clock.py), for benchmarks to replay. None: no log.
+    forward_log: str | None = None
+    # hf engine, CUDA: pinned host buffers of the largest batch kept for the device-to-host copies
+    # (actors/hf/host_copy.py). None: the engine's default; 0: every batch allocates its own.
+    pinned_slabs: int | None = Field(None, ge=0)
+    # hf engine, CUDA: where attention may use cuDNN's kernel (torch's default pick on recent GPUs). warm: a new
+    # forward shape whose attention is light runs the flash kernel, because cuDNN first builds a plan for each
+    # shape on the forward thread and a job's forwards rarely repeat one; heavier shapes and shapes that come
+    # back run cuDNN's (actors/hf/decoder.py). always: torch decides.
+    cudnn_attention: Literal["warm", "always"] = "warm"
+    # hf engine, padded forwards: below this share of engine.max_batch_tokens a forward takes more requests
+    # whatever their padding (actors/hf/batching.py). None: the device's default (every forward filled on a
+    # GPU; 1/8 on a CPU, where padding is all cost); "measured": set on a GPU from the host's launch time and
+    # the device's time per token (FillFloor), which lost to the default on both benchmark mixes
+    # (bench/results/benchmix_fill_floor_full_h200.json, longtail_fill_floor_full_h200.json).
+    fill_floor: float | Literal["measured"] | None = None
+
+    @field_validator("fill_floor")
+    @classmethod
+    def _share(cls, v):
+        if isinstance(v, float) and not 0 < v <= 1:
+            raise ValueError(f'fill_floor {v}: a share of max_batch_tokens in (0, 1], "measured", or null')
+        return v
 
 
 class HarvestConfig(_Strict):
@@ -323,6 +335,7 @@ class HarvestConfig(_Strict):
     progress: ProgressConfig = ProgressConfig()
     plan: PlanConfig = PlanConfig()
     ray: RayConfig = RayConfig()
+    debug: DebugConfig = DebugConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -371,6 +384,8 @@ def _format_error(err: ValidationError) -> str:
         owners = [n for n, c in ENGINE_CONFIGS.items() if n != engine and loc[-1] in c.model_fields] if engine else []
         if e["type"] == "extra_forbidden" and owners:
             lines.append(f"  {where}: not a setting of engine.name={engine} (it belongs to engine.name={owners[0]})")
+        elif e["type"] == "extra_forbidden" and engine and loc[-1] in DebugConfig.model_fields:
+            lines.append(f"  {where}: not a setting of engine (it belongs to debug.{loc[-1]})")
         elif e["type"] == "union_tag_invalid":
             lines.append(f"  {where}: engine.name must be one of {sorted(ENGINE_CONFIGS)}")
         elif e["type"] == "extra_forbidden":

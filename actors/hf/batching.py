@@ -1,6 +1,6 @@
 """Which waiting requests the hf engine's next forward takes: a pure function of the pool and a policy.
 
-It runs on the engine's forward thread between forwards, and in bench/sim_take.py without a model.
+It runs on the engine's forward thread between forwards, and in bench/probes/sim_take.py without a model.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ def fill_share(host_launch_s: float, device_s_per_token: float, max_batch_tokens
     time to launch a forward, within [1/8, 1/2].
 
     The host needs about the same time to launch a forward of any size (every layer's kernels, from Python:
-    26-44 ms for a 32-layer 8B decoder onto an idle H200, bench/results/forward_host_h200.json), while the
-    device's time grows with the tokens. A smaller forward leaves the device waiting on the host, so up to
-    this size padding is free: the device would have waited anyway. Half the budget at most, so that a
-    slow host does not turn every forward into padding; an eighth at least, the floor before it was measured."""
+    bench/results/forward_host_h200.json), while the device's time grows with the tokens. A smaller forward
+    leaves the device waiting on the host, so up to this size padding is free: the device would have waited
+    anyway. Half the budget at most, so that a slow host does not turn every forward into padding; an eighth
+    at least, the unmeasured floor."""
     if host_launch_s <= 0 or device_s_per_token <= 0 or max_batch_tokens <= 0:
         return BatchPolicy.min_fill
     return min(0.5, max(0.125, host_launch_s / device_s_per_token / max_batch_tokens))
@@ -50,13 +50,13 @@ class FillFloor:
     A forward tells the launch cost only if the device had run dry before it (`device_waited`): otherwise
     the host's time includes waiting for earlier forwards. CUDA lets the host queue only so many launches;
     past that, each launch blocks until the device has run earlier work, so a small forward queued behind a
-    16k-token one "took" most of that one's device time to launch. Counted anyway, as until 2026-12, they put
-    the launch at 118-433 ms where a forward launched onto an idle device takes 26-44 ms (8B shape, H200
-    host: bench/results/forward_host_h200.json), and the floor sat at its cap, half the budget, padding
-    every forward under 8k tokens for nothing. Counted: a forward whose device time was shorter than the
-    host's launch of it onto an idle device (host-bound, so its host time is what a launch costs now,
-    contention in the job's process included); and, for the device's time per padded token, one of at least
-    half the budget. The medians of the last `window` of each set the floor."""
+    large one "took" most of that one's device time to launch. Counted, they would put the launch several
+    times above a launch onto an idle device and the floor at its cap, padding every forward under half the
+    budget for nothing (bench/results/forward_host_h200.json, benchmix_floor_launch_fix_h200.json). Counted: a
+    forward whose device time was shorter than the host's launch of it onto an idle device (host-bound, so its
+    host time is what a launch costs, contention in the job's process included); and, for the device's time
+    per padded token, one of at least half the budget. The medians of the last `window` of each set the
+    floor."""
 
     def __init__(self, max_batch_tokens: int, window: int = 32):
         self.max_batch_tokens = max_batch_tokens

@@ -2,13 +2,11 @@
 
 A native bf16 matmul (AMX, avx512_bf16, oneDNN) reads bf16 operands, accumulates in float32 and rounds the
 result to bf16 once. Where the CPU has no such instruction torch's bf16 matmul does the same arithmetic in a
-generic loop, ~8x slower than a float32 matmul of the same shape (0.036 against 0.0044 s for 400x576 @ 576x1536
-on a 2-core AVX2 CPU). Widening bf16 operands to float32 is exact, so the float32 product rounded to bf16 is the
-same computation up to the order of the float32 sums: it differed from torch's bf16 result in ~1e-4 of the
-elements by one bf16 step. Forwards of the default model took 6.5x less time this way (2.3x at 30 tokens, up
-to 8.6x at 400), and each layer's distance from the float32 forward was the same (widened over torch's own:
-median 0.996, 0.84-1.20 over single prompts, whose bf16 noise is itself random), which is what a bf16 forward is
-used for here: the audit's yardstick (pipeline/tools/fidelity.py). `python bench/bench_bf16_gemms_cpu.py`,
+generic loop, several times slower than a float32 matmul of the same shape. Widening bf16 operands to float32
+is exact, so the float32 product rounded to bf16 is the same computation up to the order of the float32 sums
+(a rare element one bf16 step off torch's). Forwards of the default model take far less time this way, and
+each layer's distance from the float32 forward stays what it was, which is what a bf16 forward is used for
+here: the audit's yardstick (pipeline/tools/fidelity.py). `python bench/bench_bf16_gemms_cpu.py`,
 bench/results/bf16_gemms_cpu.json.
 
 Attention kernels (sdpa) are left as torch runs them: their bf16 path is fast on any CPU and has rounding of

@@ -54,16 +54,15 @@ def _skip_packed_check() -> None:
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
-# Where torch's scaled-dot-product attention may use cuDNN's kernel on CUDA (its default pick on Hopper):
+# Where torch's scaled-dot-product attention may use cuDNN's kernel on CUDA (its default pick on recent GPUs):
 # "always" leaves the choice to torch; "warm" keeps it from a new forward shape whose attention is light.
-# cuDNN builds an execution plan for every new shape (batch, length) on the launching thread, ~300 ms of host
-# time on the H100 (bench/results/first_layer_h100.json), and a job's forwards almost never
-# repeat a shape: in the job every forward paid it in its first layer (~25 ms of device time each, the rest
-# hidden behind the forward before it). The flash kernel needs no plan but runs slower, by an amount that grows
-# with the attention's work, rows x length^2: on rows up to 2,048 tokens flash won (the benchmark mix, +1.0 %),
-# on a long-tailed mix to 6,144 it lost (-1.5 %) (bench/results/benchmix_cudnn_warm_h100.json,
-# longtail_cudnn_warm_h100.json). So a new shape runs flash while its work is at most a full 16k-token forward
-# of 2,048-token rows; a heavier one, and a shape that comes back (it recurs), get cuDNN's kernel.
+# cuDNN builds an execution plan for every new shape (batch, length) on the launching thread, and a job's
+# forwards almost never repeat a shape, so every forward of a job paid for one in its first layer
+# (bench/results/first_layer_h100.json). The flash kernel needs no plan but runs slower, by an amount that grows
+# with the attention's work, rows x length^2: it won on short rows and lost on long ones
+# (bench/results/benchmix_cudnn_warm_h100.json, longtail_cudnn_warm_h100.json). So a new shape runs flash while
+# its work is at most a full 16k-token forward of 2,048-token rows; a heavier one, and a shape that comes back
+# (it recurs), get cuDNN's kernel.
 CUDNN_ATTENTION = ("always", "warm")
 FLASH_NEW_SHAPE_WORK = 16384 * 2048  # rows x length^2 of a new shape's forward, most for the flash kernel
 
@@ -230,7 +229,7 @@ class Decoder:
         """Lets forward(packed=True) run; returns why it cannot for this model (and then changes nothing).
 
         The model's attention becomes packing.PACKED, which outside a packed forward is the library's sdpa
-        function: padded forwards run as before."""
+        function: padded forwards run as they would without it."""
         if self.attn_implementation != "sdpa":
             return f"attention {self.attn_implementation!r}, not sdpa"
         why = packing.refusal(self.base.config)

@@ -1,9 +1,9 @@
 """Packed forwards: several sequences end to end in one row, each attending only to itself.
 
 A padded forward runs B rows of the longest request's length T; every position past a row's own end is
-device time for nothing (2-6 % of a job's forwards on the H200 mixes, and the take order that keeps caller
-batches completing one after another pads more than a plain length-sorted loop: bench/results/
-take_simulation_head_*.json). Packed, a forward is the requests themselves, one after another, [1, N]:
+device time for nothing, and the take order that keeps caller batches completing one after another pads more
+than a plain length-sorted loop (bench/results/take_simulation_head_benchmix.json,
+take_simulation_head_longtail.json). Packed, a forward is the requests themselves, one after another, [1, N]:
 
 - positions restart at 0 for every sequence (`position_ids`), so rotary embeddings are each sequence's own;
 - attention is causal within each sequence and never crosses into another: on CUDA one variable-length
@@ -18,21 +18,19 @@ library's sdpa function otherwise. No mask is built for it (transformers builds 
 mask function for), and nothing in it waits for the device: the lengths go up from pinned memory.
 
 On by default on CUDA (engine.packing unset is auto there; off on a CPU, where it is unmeasured). The kernel
-alone does not pay for it: on the H200 (torch 2.11, Qwen3-8B shape, long-tailed mix) the padded forward's
-attention runs cuDNN's kernel at 0.048 us a token and layer, the variable-length flash kernel 0.085
-(bench/results/packed_attention_longtail_h200.json), and the bare engine packed did 30.6k tok/s against 31.0k
-padded (bench/results/longtail_packed_varlen_h200.json); on an H100 the bare engine packed was ~1 % behind its
-best padded pass. A job is not the bare engine's best pass: its forwards are shapes new to the process, whose
-padded attention either waits for cuDNN's per-shape plan or runs the flash kernel in its place (decoder.py,
-cudnn_attention), and its take order pads more. Packed forwards need no plan and carry no padding: on an H100
-the job ran at 0.978 of the bare engine at its best packed against 0.951 padded on the benchmark's mix, and
-0.973 against 0.927 on a long-tailed mix (bench/results/benchmix_packed_default_h100.json,
-longtail_packed_default_h100.json). Grouping the row's sequences into padded calls of the cuDNN kernel (commit
-d968bb3) was no faster and added host work: its job ran at 0.76 of the bare engine.
+alone does not pay for it: the variable-length flash kernel is slower per token than the cuDNN kernel a padded
+forward's attention runs (bench/results/packed_attention_longtail_h200.json), and the bare engine is no faster
+packed (bench/results/longtail_packed_varlen_h200.json). A job is not the bare engine's best pass: its
+forwards are shapes new to the process, whose padded attention either waits for cuDNN's per-shape plan or runs
+the flash kernel in its place (decoder.py, cudnn_attention), and its take order pads more. Packed forwards need
+no plan and carry no padding, and a job packed comes closer to the bare engine than one padded
+(bench/results/benchmix_packed_default_h100.json, longtail_packed_default_h100.json). Grouping the row's
+sequences into padded calls of the cuDNN kernel was no faster and added host work
+(bench/results/longtail_packed_grouped_h200.json).
 
 What it cannot run: per-layer sliding windows, logit soft-capping, attention sinks, and heads whose values
 are narrower than their keys (MLA). `refusal(config)` names those from the config; the engine also checks
-a packed forward against a padded one at start (`HFEngine._check_packing`) and runs padded where they
+a packed forward against a padded one at start (actors/hf/pack_check.py) and runs padded where they
 differ, so a family this module does not know about is caught by what it computes, not by its name.
 """
 

@@ -2,17 +2,18 @@
 
 Allocating page-locked memory (cudaHostAlloc behind `torch.empty(..., pin_memory=True)`) takes a lock in the
 CUDA driver that the forward thread's kernel launches also need, and pins every page of the buffer while
-holding it: tens of milliseconds for the few hundred MB one batch's capture takes. Done on the finisher
-thread while the next forward is being launched, that time lands inside the forward as device idle. torch's
-own pinned cache reuses blocks only within a power-of-two size class, and a batch's block stays taken until
-the actor has encoded every request in it, so a job of varied batch sizes keeps allocating.
+holding it, which for one batch's capture takes a while. Done on the finisher thread while the next forward
+is being launched, that time lands inside the forward as device idle
+(bench/results/longtail_adaptive_floor_h200.json). torch's own pinned cache reuses blocks only within a
+power-of-two size class, and a batch's block stays taken until the actor has encoded every request in it, so
+a job of varied batch sizes keeps allocating.
 
 `PinnedSlabs` holds a few buffers of the largest batch's size. `take(n)` lends the first n bytes of a free one,
 as a tensor (for the copy) and a numpy array over the same memory (for the captures); the buffer comes back
 when that array and every numpy view of it are gone (the captures released after encoding). The tensor is
-the copy's alone: drop it once the copy is done. A buffer is only allocated when none is free and fewer than `limit` exist; past
-that, or for a request larger than a buffer, `take` returns None and the caller allocates as before, so a
-slow consumer costs allocations, never a stall or unbounded pinned memory.
+the copy's alone: drop it once the copy is done. A buffer is only allocated when none is free and fewer than
+`limit` exist; past that, or for a request larger than a buffer, `take` returns None and the caller allocates
+its own, so a slow consumer costs allocations, never a stall or unbounded pinned memory.
 """
 
 from __future__ import annotations

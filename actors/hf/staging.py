@@ -20,7 +20,7 @@ Two implementations with the same output:
   with odd lengths and non-finite values and gives None (and logs why) where Triton is missing, does not
   compile or does not match, so the engine falls back to the torch ops.
 
-What each costs on the H200, device and host: bench/results/stage_gpu.json and job_h200.json.
+What each costs, device and host: bench/results/stage_gpu.json and job_h200.json.
 """
 
 from __future__ import annotations

@@ -132,13 +132,15 @@ class SGLangEngine:
         capture: bool = True,
         generate_in_flight: int | None = None,
         max_prompt_tokens: int | None = None,
+        debug: dict | None = None,
     ) -> dict:
         """Constructor arguments from the engine's config section (conf.schema.SGLangEngineConfig).
         `capture_layout`: the dump body the output encodes from (actors/dump.py): bf16 planes, or fp8.
         `capture=False`: a server without the hook or aux capture, for generation only (regeneration), with
         `generate_in_flight` generations in flight.
         `max_prompt_tokens`: the longest prompt the job sends (extract.max_tokens); a capturing CPU server's
-        KV pool is sized to it (server.cpu_kv_tokens). A generation server decodes, so it keeps the default."""
+        KV pool is sized to it (server.cpu_kv_tokens). A generation server decodes, so it keeps the default.
+        `debug`: the debug section's values (conf.schema.DebugConfig); none of them applies to this engine."""
         kv_tokens = None
         if capture and not cuda and max_prompt_tokens:
             kv_tokens = cpu_kv_tokens(cfg.max_in_flight, max_prompt_tokens)

@@ -70,6 +70,7 @@ def extractor_kwargs(cfg: HarvestConfig, plan: Plan) -> dict:
         plan.layout.final_layer,
         plan.layout.codec.layout,
         max_prompt_tokens=cfg.extract.max_tokens,
+        debug=cfg.debug.model_dump(),
     )
     return dict(
         engine_name=cfg.engine.name,

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,9 @@ import torch
 
 from actors.engine import EngineDied
 from actors.hf.batching import BatchPolicy, FillFloor, fill_share, take_batch
-from actors.hf.engine import HFEngine, _ids_sha256, _Request, _Staged, layer_excess_ms, slow_layers
+from actors.hf.device_clock import layer_excess_ms, slow_layers
+from actors.hf.engine import HFEngine
+from actors.hf.outputs import Request, Staged, ids_sha256
 from actors.hf.reference import ReferenceStates
 from actors.validate import check_capture
 
@@ -42,9 +45,8 @@ def any_engine(request):
 
 
 def _submit_together(eng: HFEngine, requests: list[tuple[str, list[int]]], order: float = 0.0) -> dict:
-    """Every request is waiting before the worker takes any (the worker needs the lock to take)."""
-    with eng._cv:
-        futures = [eng.submit(key, ids, order=order) for key, ids in requests]
+    """Every request is waiting before the worker takes any."""
+    futures = eng.submit_together(requests, order=order)
     return {f.result(timeout=120).key: f.result() for f in futures}
 
 
@@ -119,7 +121,7 @@ def test_mixed_lengths_run_batched_and_padding_is_never_stored(any_engine, model
         assert (
             cap.header.num_tokens == n and cap.header.aux_shape == (n, len(AUX) * h) and cap.header.last_shape == (n, h)
         )
-        assert cap.header.ids_sha256 == _ids_sha256(np.array(ids))
+        assert cap.header.ids_sha256 == ids_sha256(np.array(ids))
         aux, last = cap.bits()
         assert aux.shape == (n, len(AUX) * h) and last.shape == (n, h)
         assert check_capture(cap, ids, len(AUX) * h, h) is None
@@ -142,10 +144,10 @@ def test_staging_lays_out_each_request_as_the_codecs_byte_planes(n_aux):
     gen = torch.Generator().manual_seed(0)
     aux = [torch.randn(b, t, h, generator=gen).to(torch.bfloat16) for _ in range(n_aux)]
     last = torch.randn(b, t, h, generator=gen).to(torch.bfloat16)
-    eng = HFEngine("unused", tuple(range(n_aux)))  # a CPU engine: _stage needs no model, only the kept outputs
+    eng = HFEngine("unused", tuple(range(n_aux)))  # a CPU engine: staging needs no model, only the kept outputs
     eng.decoder._taken = {("aux", k): a for k, a in enumerate(aux)} | {("last", 0): last}
-    batch = [_Request(str(i), [1] * n, Future(), 0.0) for i, n in enumerate(lengths)]
-    staged = eng._stage(batch, np.ones((b, t), dtype=np.int64))
+    batch = [Request(str(i), [1] * n, Future(), 0.0) for i, n in enumerate(lengths)]
+    staged = eng.outputs.stage(batch, np.ones((b, t), dtype=np.int64), False, eng.stager)
     body, offsets, nonfinite, widths = staged.planes, staged.offsets, staged.nonfinite, staged.widths
     assert widths == (n_aux * h, h) and nonfinite.shape == (b, t) and not nonfinite.any()
     assert offsets[-1] == len(body) == sum(2 * n * (n_aux + 1) * h for n in lengths)
@@ -169,9 +171,9 @@ def test_device_time_adds_forward_staging_and_the_gap_between_batches():
 
     eng = HFEngine("unused", AUX, device="cuda")  # nothing touches a device before start()
     eng.reset_stats()
-    eng._device_time({"first_layer": Ev(0), "norm": Ev(800), "end": Ev(820)})
-    eng._device_time({"first_layer": Ev(830), "norm": Ev(1630), "end": Ev(1650)})
-    eng._device_time({"norm": Ev(2000)})  # a batch without its marks (a failed forward) adds nothing
+    assert eng.clock.observe({"first_layer": Ev(0), "norm": Ev(800), "end": Ev(820)}) == (800, None)
+    assert eng.clock.observe({"first_layer": Ev(830), "norm": Ev(1630), "end": Ev(1650)}) == (800, 10)
+    assert eng.clock.observe({"norm": Ev(2000)}) is None  # a batch without its marks (a failed forward) adds nothing
     s = eng.stats()
     assert (s["device_forward_s"], s["device_stage_s"], s["device_between_s"]) == (1.6, 0.04, 0.01)
 
@@ -195,17 +197,18 @@ def test_layer_excess_is_the_time_beyond_the_median_layer():
 
 
 def test_device_time_counts_layer_excess_and_a_short_lead_and_logs_each_forward(tmp_path):
-    eng = HFEngine("unused", AUX, device="cuda")  # nothing touches a device before start()
-    log = tmp_path / "forwards.jsonl"
-    eng._forward_log = log.open("a")
+    # debug.forward_log: nothing touches a device before start(); the clock's hooks go on a stand-in decoder.
+    eng = HFEngine("unused", AUX, device="cuda", forward_log=str(tmp_path))
+    eng.clock.start(SimpleNamespace(layers=[], norm=torch.nn.Identity()))
     eng.reset_stats()  # the log marks where the counted forwards begin
-    staged = _Staged([_Request("a", [1] * 7, Future(), 0.0), _Request("b", [1] * 5, Future(), 0.0)], np.ones((2, 7)))
+    staged = Staged([Request("a", [1] * 7, Future(), 0.0), Request("b", [1] * 5, Future(), 0.0)], np.ones((2, 7)))
     layers = [_Ev(0), _Ev(10), _Ev(30)]
     marks = {"first_layer": layers[0], "layers": layers, "norm": _Ev(40), "end": _Ev(42), "lead_under_a_layer": 2}
-    eng._device_time(marks | {"host_forward_s": 0.05, "pin_alloc_s": 0.01}, staged)
-    eng._forward_log.close()
+    eng.clock.observe(marks | {"host_forward_s": 0.05, "pin_alloc_s": 0.01}, staged)
+    eng.clock.close()
     s = eng.stats()
     assert (s["device_forward_s"], s["device_layer_excess_s"], s["lead_under_a_layer"]) == (0.04, 0.01, 2)
+    (log,) = tmp_path.glob("forwards-*.jsonl")  # one file per engine
     reset, forward = (json.loads(x) for x in log.read_text().splitlines())
     assert reset == {"reset": True}
     assert (forward["rows"], forward["t"], forward["lengths"]) == (2, 7, [7, 5])
@@ -350,7 +353,7 @@ def test_ids_outside_the_vocabulary_negative_or_empty_are_error_results(engine):
 
 
 def _req(key, n, order):
-    return _Request(key, [1] * n, Future(), 0.0, order)
+    return Request(key, [1] * n, Future(), 0.0, order)
 
 
 class _Policy:
@@ -469,8 +472,12 @@ def test_the_fill_floor_defaults_per_device_and_comes_from_the_config():
     measured = HFEngine("unused", (1,), device="cuda", fill_floor="measured")
     assert measured.fill_floor is None and measured.policy.min_fill == BatchPolicy.min_fill  # until measured
     for value, expected in (("measured", "measured"), ("0.5", 0.5), ("null", None)):
-        cfg = load_config("conf/default.yaml", ["engine.name=hf", f"engine.fill_floor={value}"])
-        assert HFEngine.kwargs_for(cfg.engine, "m", (1,), True, 2)["fill_floor"] == expected
+        cfg = load_config("conf/default.yaml", ["engine.name=hf", f"debug.fill_floor={value}"])
+        assert (
+            HFEngine.kwargs_for(cfg.engine, "m", (1,), True, 2, debug=cfg.debug.model_dump())["fill_floor"] == expected
+        )
+    with pytest.raises(Exception, match=r"debug\.fill_floor"):
+        load_config("conf/default.yaml", ["debug.fill_floor=1.5"])
 
 
 def test_the_engines_batches_fill_to_its_measured_floor():
@@ -676,14 +683,62 @@ def test_cudnn_attention_comes_from_the_config_and_is_recorded_on_cuda():
     from conf import load_config
 
     for value in ("warm", "always"):
-        cfg = load_config("conf/default.yaml", ["engine.name=hf", f"engine.cudnn_attention={value}"])
-        kwargs = HFEngine.kwargs_for(cfg.engine, "m", AUX, True, 2)
+        cfg = load_config("conf/default.yaml", ["engine.name=hf", f"debug.cudnn_attention={value}"])
+        kwargs = HFEngine.kwargs_for(cfg.engine, "m", AUX, True, 2, debug=cfg.debug.model_dump())
         assert kwargs["cudnn_attention"] == value
         assert HFEngine.provenance(kwargs, cuda=True)["cudnn_attention"] == value
         assert "cudnn_attention" not in HFEngine.provenance(kwargs | {"device": "cpu"}, cuda=False)
-    assert load_config("conf/default.yaml", ["engine.name=hf"]).engine.cudnn_attention == "warm"
-    with pytest.raises(Exception, match="cudnn_attention"):
-        load_config("conf/default.yaml", ["engine.name=hf", "engine.cudnn_attention=never"])
+    assert load_config("conf/default.yaml", ["engine.name=hf"]).debug.cudnn_attention == "warm"
+    with pytest.raises(Exception, match="debug.cudnn_attention"):
+        load_config("conf/default.yaml", ["engine.name=hf", "debug.cudnn_attention=never"])
     # The benchmarks' baseline keeps torch's choice: its repeated passes run every shape on a built plan.
     assert BareHFEngine("m", AUX).decoder.cudnn_attention == "always"
     assert HFEngine("m", AUX).decoder.cudnn_attention == "warm"
+
+
+# ---- the debug section -------------------------------------------------------------------------------
+
+
+def test_the_debug_sections_values_reach_the_engine_through_the_drivers_kwargs(repo_root, tmp_path, monkeypatch):
+    """debug.forward_log and debug.pinned_slabs go the engine section's way (the driver's extractor_kwargs);
+    the environment is not read for them."""
+    import types
+
+    from conf import load_config
+    from pipeline.driver.job import extractor_kwargs
+    from pipeline.format.shards import ShardLayout
+
+    monkeypatch.setenv("HIDDEN_HARVEST_PINNED_SLABS", "3")
+    monkeypatch.setenv("HIDDEN_HARVEST_FORWARD_LOG", str(tmp_path / "env"))
+    plan = types.SimpleNamespace(model_dir="m", cuda=True, layout=ShardLayout(AUX, 576))
+    default = repo_root / "conf" / "default.yaml"
+    kwargs = extractor_kwargs(load_config(default, ["engine.name=hf"]), plan)["engine_kwargs"]
+    assert (kwargs["forward_log"], kwargs["pinned_slabs"], kwargs["fill_floor"]) == (None, None, None)
+    eng = HFEngine(**kwargs)  # nothing touches a device before start()
+    assert eng.clock.forward_log is None and eng.copier.slab_limit == HFEngine.PINNED_SLABS
+    sets = ["engine.name=hf", f"debug.forward_log={tmp_path}", "debug.pinned_slabs=0"]
+    kwargs = extractor_kwargs(load_config(default, sets), plan)["engine_kwargs"]
+    eng = HFEngine(**kwargs)
+    assert eng.clock.forward_log == str(tmp_path) and eng.copier.slab_limit == 0
+    # The SGLang engine takes the same section and reads none of it.
+    assert "forward_log" not in str(extractor_kwargs(load_config(default, sets[1:]), plan)["engine_kwargs"])
+
+
+# ---- the benchmarks' baseline ------------------------------------------------------------------------
+
+
+def test_the_bare_engine_runs_the_same_forwards_and_keeps_nothing(model_dir):
+    """bench/bare_hf.py: the engine's public discard mode, the forwards batched as the capturing engine's."""
+    from bench.bare_hf import BareHFEngine
+
+    rng = np.random.default_rng(4)
+    reqs = [(f"b{i}", rng.integers(0, 1000, size=n).tolist()) for i, n in enumerate((40, 12, 33, 7))]
+    with BareHFEngine(str(model_dir), AUX, max_batch_tokens=4096, cpu_threads=2) as bare:
+        assert bare.outputs.keeps is False
+        res = _submit_together(bare, reqs)
+        assert bare.decoder._taken == {}  # the hooks kept nothing
+        s = bare.stats()
+    assert all(r.capture is None and r.error is None and r.latency_s > 0 for r in res.values())
+    assert (s["forwards"], s["real_tokens"]) == (1, 92)
+    with pytest.raises(ValueError, match="outputs 'keep'"):
+        HFEngine("m", AUX, outputs="keep")

@@ -9,15 +9,16 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from actors.hf import packing
+from actors.hf import pack_check, packing
 from actors.hf.batching import take_packed
-from actors.hf.engine import HFEngine, _Request
+from actors.hf.engine import HFEngine
+from actors.hf.outputs import Request
 
 AUX = (1, 14, 26)
 
 
 def _req(key, n, order):
-    return _Request(key, [1] * n, Future(), 0.0, order)
+    return Request(key, [1] * n, Future(), 0.0, order)
 
 
 def _keys(batch):
@@ -80,10 +81,10 @@ def test_a_packed_forward_that_lets_sequences_see_each_other_is_refused(model_di
     monkeypatch.setattr(packing, "_per_sequence", leaking)
     with pytest.raises(RuntimeError, match="engine.packing=on: .* differ from the padded forward's by"):
         HFEngine(str(model_dir), AUX, packing="on").start()
-    with caplog.at_level(logging.WARNING, logger="actors.hf.engine"):
+    with caplog.at_level(logging.WARNING, logger="actors.hf.pack_check"):
         eng = HFEngine(str(model_dir), AUX, packing="auto", device="cpu")
         eng.decoder.load()
-        assert eng._pack() is False
+        assert pack_check.choose(eng.decoder, eng.packing) is False
     assert "padded forwards" in caplog.text and "cannot run packed" in caplog.text
     # Back on sdpa: the engine's padded forwards run as before.
     assert eng.decoder.base.config._attn_implementation == "sdpa"
@@ -93,9 +94,8 @@ def test_an_honest_packed_forward_passes_the_check_and_packing_is_asked_for(mode
     eng = HFEngine(str(model_dir), AUX, device="cpu")
     assert eng.packing == "off"
     eng.decoder.load()
-    assert eng._pack() is False  # off by default: padded, nothing checked
-    eng.packing = "auto"
-    assert eng._pack() is True and eng._check_packing() is None
+    assert pack_check.choose(eng.decoder, eng.packing) is False  # off by default: padded, nothing checked
+    assert pack_check.choose(eng.decoder, "auto") is True and pack_check.check(eng.decoder) is None
     with pytest.raises(ValueError, match="packing 'sometimes'"):
         HFEngine(str(model_dir), AUX, packing="sometimes")
 
@@ -153,7 +153,10 @@ def test_which_families_pack(family, why, model_dir, tmp_path, caplog):
     if why is not None:
         with pytest.raises(RuntimeError, match=why):
             HFEngine(str(path), aux, packing="on").start()
-        with caplog.at_level(logging.INFO, logger="actors.hf.engine"), HFEngine(str(path), aux, packing="auto") as eng:
+        with (
+            caplog.at_level(logging.INFO, logger="actors.hf.pack_check"),
+            HFEngine(str(path), aux, packing="auto") as eng,
+        ):
             assert eng.packed is False
         said = [r for r in caplog.records if "cannot run packed" in r.getMessage()]
         assert said and why in said[0].getMessage() and all(r.levelno == logging.INFO for r in said)

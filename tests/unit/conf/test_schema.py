@@ -196,3 +196,31 @@ def test_generate_section_is_typed_and_stands_in_for_output():
         load_config(None, ["input.path=x", "generate.policy=last"])
     with pytest.raises(ConfigError, match="must differ"):
         load_config(None, ["input.path=x", "generate.output=same", "output.path=same"])
+
+
+def test_the_debug_section_holds_the_profiling_switches(default_yaml):
+    """debug: off, or the engine's own default, unless set; any engine's config takes it (the sglang engine
+    reads none of it)."""
+    cfg = load_config(default_yaml)
+    assert cfg.debug.model_dump() == {
+        "forward_log": None,
+        "pinned_slabs": None,
+        "cudnn_attention": "warm",
+        "fill_floor": None,
+    }
+    sets = ["debug.forward_log=/logs", "debug.pinned_slabs=0", "debug.cudnn_attention=always", "debug.fill_floor=0.5"]
+    for engine in ("hf", "sglang"):
+        cfg = load_config(default_yaml, [f"engine.name={engine}", *sets])
+        assert (cfg.debug.forward_log, cfg.debug.pinned_slabs, cfg.debug.cudnn_attention) == ("/logs", 0, "always")
+        assert cfg.debug.fill_floor == 0.5
+    assert load_config(default_yaml, ["debug.fill_floor=measured"]).debug.fill_floor == "measured"
+    for bad in ("debug.pinned_slabs=-1", "debug.fill_floor=0", "debug.cudnn_attention=never", "debug.verbose=1"):
+        with pytest.raises(ConfigError, match=rf"  debug\.{bad.split('.')[1].split('=')[0]}:"):
+            load_config(default_yaml, [bad])
+
+
+@pytest.mark.parametrize("key, value", [("fill_floor", "0.5"), ("cudnn_attention", "always")])
+@pytest.mark.parametrize("engine", ["hf", "sglang"])
+def test_a_debug_switch_set_under_engine_is_refused_with_its_place(default_yaml, key, value, engine):
+    with pytest.raises(ConfigError, match=rf"engine\.{key}: not a setting of engine \(it belongs to debug\.{key}\)"):
+        load_config(default_yaml, [f"engine.name={engine}", f"engine.{key}={value}"])
