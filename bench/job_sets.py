@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from pipeline.envs import RETIRED
+
 # Benchmark switches that are settings of the job's debug section (conf/schema.py, DebugConfig), not
 # environment variables: passed as one, they would be ignored.
-DEBUG_SETTINGS = {
-    "HIDDEN_HARVEST_FORWARD_LOG": "debug.forward_log",
-    "HIDDEN_HARVEST_PINNED_SLABS": "debug.pinned_slabs",
-}
+DEBUG_SETTINGS = RETIRED
 
 
 def split_env(items: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -1,4 +1,4 @@
-"""hidden-harvest: the job, its intake, the storage format and the offline tools (README "Layout")."""
+"""hidden-harvest: the job, its intake, the storage format and the offline tools (ARCHITECTURE.md)."""
 
 from pipeline.format.shards import open_shards
 

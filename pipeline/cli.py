@@ -10,6 +10,7 @@ import sys
 import time
 
 from conf import ConfigError, load_config
+from pipeline import envs
 from pipeline.driver.budget import InsufficientSpace
 from pipeline.driver.failures import failure_message
 from pipeline.driver.job import run
@@ -47,15 +48,15 @@ def _dashboard_installed() -> bool:
 
 def _init_ray(cfg) -> float | None:
     """Starts or joins the cluster; the seconds it took, or None when this process already had Ray."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(envs.RAY_USAGE_STATS.name, "0")
     # Ray Data's per-operator progress in non-interactive logs (ray job logs), at the job's interval.
-    os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", str(max(1, int(cfg.progress.interval_s))))
+    os.environ.setdefault(envs.RAY_PROGRESS_INTERVAL.name, str(max(1, int(cfg.progress.interval_s))))
     import ray
 
     if ray.is_initialized():  # embedded in a process that already chose its cluster (tests, notebooks)
         return None
     t0 = time.monotonic()
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    address = cfg.ray.address or envs.RAY_ADDRESS.get()
     kwargs = {"log_to_driver": True}
     if address:
         kwargs["address"] = address

@@ -25,6 +25,7 @@ import requests
 from actors.cpu import cpu_has_bf16_matmul
 from actors.engine import EngineDied
 from patches.sglang import server_pythonpath
+from pipeline import envs
 
 logger = logging.getLogger(__name__)
 
@@ -195,12 +196,12 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
     env.update(spec.env)
     extra = [str(p) for p in server_pythonpath(cpu=spec.cpu)]
     env["PYTHONPATH"] = os.pathsep.join(extra + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.pop("HIDDEN_HARVEST_DUMP_DIR", None)
+    env.pop(envs.DUMP_DIR.name, None)
     # The server's own watchdog (patches/) ends it when this process dies, whichever thread started it:
     # a Ray actor killed by force never runs its teardown.
-    env["HIDDEN_HARVEST_PARENT_PID"] = str(os.getpid())
+    env[envs.PARENT_PID.name] = str(os.getpid())
     # Nothing of the server listens beyond 127.0.0.1: torch's rendezvous store would bind every interface.
-    env["HIDDEN_HARVEST_LOOPBACK"] = "1"
+    env[envs.LOOPBACK.name] = "1"
     if spec.cpu and not any(k.startswith("MALLOC_") for k in env):
         env.update(CPU_MALLOC_ENV)
     if not spec.cpu:
@@ -208,11 +209,11 @@ def build_env(spec: ServerSpec) -> dict[str, str]:
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if spec.capture:
-        env["HIDDEN_HARVEST_DUMP_DIR"] = str(spec.dump_dir)
-        env["HIDDEN_HARVEST_RID_PREFIX"] = RID_PREFIX
-        env["HIDDEN_HARVEST_FINAL"] = spec.final_layer
-        env["HIDDEN_HARVEST_LAYOUT"] = spec.capture_layout
-        env["HIDDEN_HARVEST_AUX_LAYERS"] = ",".join(str(i) for i in spec.aux_layers)
+        env[envs.DUMP_DIR.name] = str(spec.dump_dir)
+        env[envs.RID_PREFIX.name] = RID_PREFIX
+        env[envs.FINAL.name] = spec.final_layer
+        env[envs.LAYOUT.name] = spec.capture_layout
+        env[envs.AUX_LAYERS.name] = ",".join(str(i) for i in spec.aux_layers)
     if spec.cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         threads = str(spec.cpu_threads or os.cpu_count() or 1)

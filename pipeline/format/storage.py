@@ -20,6 +20,8 @@ from typing import IO
 
 import fsspec
 
+from pipeline import envs
+
 logger = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
@@ -30,7 +32,7 @@ TMP_PREFIX = ".tmp-"
 S3_OPTIONS = {
     "config_kwargs": {"retries": {"max_attempts": 4, "mode": "standard"}, "connect_timeout": 10, "read_timeout": 120},
 }
-_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_SECRET_ENV = tuple(v.name for v in envs.AWS_SECRETS)
 
 
 def storage_options(url: str) -> dict:

@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
@@ -22,7 +24,7 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HIDDEN_HARVEST_CACHE", Path.home() / ".cache" / "hidden-harvest"))
+    return Path(envs.CACHE.get() or Path.home() / ".cache" / "hidden-harvest")
 
 
 class ModelNotFound(FileNotFoundError):
