@@ -1,6 +1,6 @@
 """The hf engine's capture staging: the Triton kernel, the torch ops, and the per-token byte split before them.
 
-  python bench/bench_stage_gpu.py [--device cuda|cpu] [--hidden 4096] [--out bench/results/stage_gpu.json]
+  python bench/probes/bench_stage_gpu.py [--device cuda|cpu] [--hidden 4096] [--out bench/results/stage_gpu.json]
 
 Random bf16 states of 3 aux layers and the final norm, [B, T, H], for a few batch shapes of about 64k and
 32k padded tokens (lengths within 5 % of T). Three ways to the same bytes and non-finite counts
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -120,7 +120,7 @@ def main() -> None:
     result = {
         "benchmark": "hf engine capture staging (actors/hf/staging.py): Triton kernel, torch ops, per-token byte split",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "command": shlex.join(["python", "bench/bench_stage_gpu.py"] + sys.argv[1:]),
+        "command": shlex.join(["python", "bench/probes/bench_stage_gpu.py"] + sys.argv[1:]),
         "machine": torch.cuda.get_device_name(0) if cuda else "cpu",
         "hidden_size": h,
         "aux_layers": 3,

@@ -1,9 +1,9 @@
 """Where a request's time goes between a plain SGLang server and the job, on the CPU, in one run.
 
-  python bench/profile_request_path_cpu.py [--prompts 160] [--windows 4,8,16] [--skip-job]
+  python bench/probes/profile_request_path_cpu.py [--prompts 160] [--windows 4,8,16] [--skip-job]
                                            [--out bench/results/request_path_cpu.json]
 
-The same short prompts (log-uniform 48-1,024 tokens, median ~250: bench/bench_server_flags.py's set) go to:
+The same short prompts (log-uniform 48-1,024 tokens, median ~250: bench/probes/bench_server_flags.py's set) go to:
   plain       `sglang.launch_server` as a user starts it on the CPU: SGLang's defaults plus what CPU mode needs
               (--device cpu --attention-backend torch_native --disable-cuda-graph, SGLANG_USE_CPU_ENGINE=1, the
               sgl_kernel stand-in) and --disable-radix-cache; no thread settings of ours. The baseline: its best
@@ -30,9 +30,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "probes"))
 
 from bench_server_flags import prompts  # noqa: E402
 from bench_throughput import machine  # noqa: E402
@@ -143,7 +144,7 @@ def main() -> None:
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
         "server_dtype": args.dtype or "the model's (bf16)",
-        "command": "python bench/profile_request_path_cpu.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/probes/profile_request_path_cpu.py " + " ".join(sys.argv[1:]),
         "prompts": {
             "count": len(samples),
             "tokens": sum(lengths),

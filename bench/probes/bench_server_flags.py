@@ -1,7 +1,7 @@
 """Which server flags make a bare SGLang server fast or slow on short prompts (CPU), in one run: the same
 prompts sent to one server per variant, each at 4/8/16 in flight after a warm-up.
 
-  python bench/bench_server_flags.py [--prompts 120] [--variants plain,plain-kv,project,capture] [--windows 4,8,16]
+  python bench/probes/bench_server_flags.py [--prompts 120] [--variants plain,plain-kv,project,capture] [--windows 4,8,16]
                                      [--passes 1] [--throughput-set] [--out bench/results/server_flags_cpu.json]
 
 Prompts: log-uniform in 48-1,024 tokens (median ~220), windows of the shipped conversations' token stream.
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -106,7 +106,7 @@ def main() -> None:
         "benchmark": "bare SGLang server on short prompts, one server per flag variant, the same prompts",
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "command": "python bench/bench_server_flags.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/probes/bench_server_flags.py " + " ".join(sys.argv[1:]),
         "prompts": {"count": len(samples), "tokens": tokens, "median": lengths[len(lengths) // 2]},
         "variants": {},
         "servers": [],

@@ -1,6 +1,6 @@
 """Where a fresh process's hf engine start goes on a GPU, and whether starting CUDA early shortens it.
 
-  python bench/bench_engine_start_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b] [--repeats 2]
+  python bench/probes/bench_engine_start_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b] [--repeats 2]
                                          [--out bench/results/engine_start_gpu.json]
 
 Each start is a new Python process, as an actor's is: it imports the engine, builds `HFEngine` with the job's
@@ -20,11 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_job_gpu import log, make_model  # noqa: E402 - after the path that makes `bench` importable
-from bench.bench_model_load_gpu import parse_args, record_head  # noqa: E402
+from bench.probes.bench_model_load_gpu import parse_args, record_head  # noqa: E402
 
 CHILD = """
 import json, sys, threading, time

@@ -11,7 +11,7 @@ the same shapes again):
   validation and encoding threads do): the forward thread launches every kernel under the GIL.
 Device time per forward is measured with CUDA events; the result is us per padded token and tok/s of real tokens.
 
-    python bench/bench_forward_shapes.py --out OUT/forward_shapes.json [--shape 8b|small]
+    python bench/probes/bench_forward_shapes.py --out OUT/forward_shapes.json [--shape 8b|small]
 """
 
 from __future__ import annotations

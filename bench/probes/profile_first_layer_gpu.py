@@ -1,6 +1,6 @@
 """Why the capturing hf engine's first decoder layer runs long on a CUDA machine: the engine cut down step by step.
 
-  python bench/profile_first_layer_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--prompts 640] [--out FILE.json]
+  python bench/probes/profile_first_layer_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--prompts 640] [--out FILE.json]
 
 Written after bench/results/benchmix_allocator_h200.json: inside the job every forward's first decoder layer
 ran ~24 ms beyond the median layer (2.33 s of 2.35 s of layer excess) while the bare engine's did not, and
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -223,7 +223,7 @@ def main() -> None:
         "machine": f"1 x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else platform.processor(),
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python", "bench/profile_first_layer_gpu.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "bench/probes/profile_first_layer_gpu.py", *sys.argv[1:]]),
         "prompts": {"count": len(prompts), "tokens": sum(map(len, prompts)), "lengths": "uniform 128-2048"},
         "max_batch_tokens": args.batch_tokens,
         "torch": torch.__version__,

@@ -1,6 +1,6 @@
 """Who takes the CPU while the job extracts on a small machine: the SGLang server, the driver, Ray's daemons, the actor.
 
-  python bench/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--skip-idle | --idle-only] [--layers N]
+  python bench/probes/bench_cpu_share.py [--prompts 150] [--idle-s 30] [--skip-idle | --idle-only] [--layers N]
                                   [--dtype float32] [--idle-variant NAME:K=V,...] [--idle-repeats 1]
                                   [--out bench/results/cpu_share_cpu.json]
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

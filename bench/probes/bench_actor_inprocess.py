@@ -1,6 +1,6 @@
 """The extractor stage in one process, without Ray, against the bare engine on the same prompts.
 
-  python bench/bench_actor_inprocess.py --model MODEL_DIR --prompts PROMPTS.jsonl --out-dir DIR
+  python bench/probes/bench_actor_inprocess.py --model MODEL_DIR --prompts PROMPTS.jsonl --out-dir DIR
                                         [--engine hf|sglang] [--max-batch-tokens 65536] [--batch-size 128]
                                         [--calls 8] [--device cuda] [--json bench/results/actor_inprocess.json]
 
@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     result = {
         "benchmark": f"extractor stage in-process (no Ray) vs the bare {args.engine} engine, same prompts",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "command": shlex.join(["python", "bench/bench_actor_inprocess.py"] + sys.argv[1:]),
+        "command": shlex.join(["python", "bench/probes/bench_actor_inprocess.py"] + sys.argv[1:]),
         "prompts": len(prompts),
         "tokens": tokens,
         "max_batch_tokens": args.max_batch_tokens,

@@ -1,6 +1,6 @@
 """How long the actor's host-side steps keep other Python threads waiting (the GIL), on any machine.
 
-  python bench/bench_gil_probe.py [--out bench/results/gil_probe_cpu.json]
+  python bench/probes/bench_gil_probe.py [--out bench/results/gil_probe_cpu.json]
 
 The hf engine's forward thread launches device work from Python; a step that holds the GIL on another
 thread of the actor would hold that up. Each step below runs a few times beside a probe thread that sleeps
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -117,7 +117,7 @@ def main() -> None:
     report = {
         "benchmark": "GIL probe: a thread sleeping 0.2 ms in a loop beside each host-side step of the actor",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "command": shlex.join(["python", "bench/bench_gil_probe.py"] + sys.argv[1:]),
+        "command": shlex.join(["python", "bench/probes/bench_gil_probe.py"] + sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "steps": results,
     }

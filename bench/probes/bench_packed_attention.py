@@ -1,6 +1,6 @@
 """One decoder layer's attention, padded against packed, on the forwards a job really runs.
 
-  python bench/bench_packed_attention.py [--lengths loguniform|uniform] [--min-len 64] [--max-len 6144]
+  python bench/probes/bench_packed_attention.py [--lengths loguniform|uniform] [--min-len 64] [--max-len 6144]
                                          [--prompts 640] [--batch-tokens 16384] [--heads 32/8] [--head-dim 128]
                                          [--out bench/results/packed_attention.json]
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,7 +1,7 @@
 """The hf engine's batching (actors/hf/batching.take_batch, the real one) simulated on the job's request pattern: padding
 and forward count for settings of max_padding and min_fill, no model and no device.
 
-  python bench/sim_take.py [--prompts 1280] [--min-len 128] [--max-len 2048] [--batch-size 128] [--calls 8]
+  python bench/probes/sim_take.py [--prompts 1280] [--min-len 128] [--max-len 2048] [--batch-size 128] [--calls 8]
                            [--max-batch-tokens 65536] [--seeds 0,1,2] [--out bench/results/take_simulation.json]
 
 The job's pattern: `--calls` caller batches of `--batch-size` requests are in flight (engine.batches_per_actor),
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import actors.hf.engine as hf  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> None:
         "benchmark": "take_batch simulated on the job's request pattern (no model, no device)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (a simulation: no model, no device)",
-        "command": shlex.join(["python", "bench/sim_take.py"] + sys.argv[1:]),
+        "command": shlex.join(["python", "bench/probes/sim_take.py"] + sys.argv[1:]),
         "pattern": {
             k: getattr(args, k)
             for k in ("prompts", "min_len", "max_len", "lengths", "batch_size", "calls", "max_batch_tokens")

@@ -1,6 +1,6 @@
 """How a CPU SGLang capture server's rate depends on what it has run before: new prompts against repeated ones.
 
-  python bench/bench_server_warmth.py [--prompts 150] [--windows 8,16] [--malloc tuned,glibc] [--repeats 1]
+  python bench/probes/bench_server_warmth.py [--prompts 150] [--windows 8,16] [--malloc tuned,glibc] [--repeats 1]
                                      [--out bench/results/server_warmth_cpu.json]
 
 For each window, a fresh capturing engine (actors/sglang/engine.py, its warm-up included) captures, in turn:
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from actors.sglang.engine import SGLangEngine  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
     result = {
         "benchmark": "a CPU capture server on new prompts against prompts it has run (after the engine's warm-up)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "command": shlex.join(["python", "bench/bench_server_warmth.py"] + sys.argv[1:]),
+        "command": shlex.join(["python", "bench/probes/bench_server_warmth.py"] + sys.argv[1:]),
         "machine": machine(),
         "prompts_per_set": args.prompts,
         "tokens": {k: sum(map(len, v)) for k, v in sets.items()},

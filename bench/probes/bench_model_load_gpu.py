@@ -1,6 +1,6 @@
 """How long the hf engine's model load takes on a GPU, two ways, alternating, in one process.
 
-  python bench/bench_model_load_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b] [--repeats 2]
+  python bench/probes/bench_model_load_gpu.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b] [--repeats 2]
                                        [--out bench/results/model_load_gpu.json]
 
 - host_then_device: the engine's load as it stands (actors/hf/decoder.py, Decoder.load): the whole model
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_job_gpu import log, make_model  # noqa: E402 - after the path that makes `bench` importable

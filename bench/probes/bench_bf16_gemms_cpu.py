@@ -1,7 +1,7 @@
 """bf16 forwards on this CPU: torch's own bf16 products against float32 products rounded to bf16
 (actors/hf/bf16_gemms.py), which the decoder uses where the CPU has no native bf16 matmul.
 
-  python bench/bench_bf16_gemms_cpu.py [--lengths 30,150,400] [--repeats 2] [--out bench/results/bf16_gemms_cpu.json]
+  python bench/probes/bench_bf16_gemms_cpu.py [--lengths 30,150,400] [--repeats 2] [--out bench/results/bf16_gemms_cpu.json]
 
 For one product of a decoder's shape (tokens x 576 @ 576 x 1536) and for whole forwards of the default model
 (hidden states, both attention kernels the audit uses): the seconds each way, the share of elements in which
@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

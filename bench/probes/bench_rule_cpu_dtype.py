@@ -1,6 +1,6 @@
 """The audit rule on clean SGLang captures in bf16 and in float32 on this CPU, in one run.
 
-  python bench/bench_rule_cpu_dtype.py [--out bench/results/rule_cpu_dtype.json]
+  python bench/probes/bench_rule_cpu_dtype.py [--out bench/results/rule_cpu_dtype.json]
 
 test_faults' 96 random-token prompts (8-43 tokens) through SGLangEngine with no faults, once with the model's
 dtype and once with --dtype float32, each sample's layers judged by DEFAULT_RULE against the float32 truth and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))

@@ -1,6 +1,6 @@
 """Where the host's time goes while it launches one forward of the hf engine, on a CUDA machine.
 
-  python bench/profile_forward_host.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b] [--out FILE.json]
+  python bench/probes/profile_forward_host.py --work DIR --tokenizer TOKENIZER_DIR [--shape 8b] [--out FILE.json]
 
 Written when the engine's own counter (`fill_floor_launch_ms`) put a launch at 118-433 ms against ~0.4 s of
 device time for a full 16k-token forward. It measures the launch with the device idle before each call, so
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 SHAPES_TO_TIME = [(1, 256), (1, 2048), (4, 2048), (8, 2048)]
@@ -93,7 +93,7 @@ def main() -> None:
     eng = HFEngine(str(model_dir), tuple(aux), device="cuda", max_batch_tokens=16384).start()
     result: dict = {
         "benchmark": "host time to launch one hf-engine forward, and where it goes",
-        "command": "python bench/profile_forward_host.py "
+        "command": "python bench/probes/profile_forward_host.py "
         + " ".join(a if not a.startswith("/") else "DIR" for a in sys.argv[1:]),
         "machine": torch.cuda.get_device_name(0),
         "python": platform.python_version(),
