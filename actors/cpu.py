@@ -6,8 +6,8 @@ from __future__ import annotations
 def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool | None:
     """Whether this CPU multiplies bf16 natively (x86 avx512_bf16 or amx_bf16; arm bf16); None: cannot tell.
 
-    Without it torch's bf16 matmul converts on the fly: on a 2-core AVX2 host the default model's server
-    ran 88 tok/s in bf16 against 531 in float32 (bench/results/request_path_cpu.json)."""
+    Without it torch's bf16 matmul converts on the fly, several times slower than float32
+    (bench/results/request_path_cpu.json)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:

@@ -263,10 +263,9 @@ class _ShardFeed:
     """Writes a batch's encoded samples to its shard on a thread of the batch's own, in the order they finish.
 
     Row groups are written (and wait for the disk's sync of the one before, shards.SYNCS_AHEAD) while this
-    batch's captures keep coming back. Written on the capturing thread, a row group held the batch's next
-    captures until it was on the disk: in five H100 runs of the long-tailed mix up to 8k the last batch took
-    its last capture 0.00-0.55 s (median 0.32) after the engine's last results, while the device had nothing
-    left to do (bench/results/longtail8k_packed_default_h100*.json). Only this thread touches the shard until
+    batch's captures keep coming back: written on the capturing thread, a row group would hold the batch's
+    next captures until it was on the disk, while the device had nothing left to do
+    (bench/reports/hf-engine-longtail8k_h100-h200_2026-12-07.md). Only this thread touches the shard until
     close(); a sample leaves memory once its row group is written.
     """
 

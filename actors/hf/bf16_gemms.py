@@ -6,7 +6,7 @@ generic loop, several times slower than a float32 matmul of the same shape. Wide
 is exact, so the float32 product rounded to bf16 is the same computation up to the order of the float32 sums
 (a rare element one bf16 step off torch's). Forwards of the default model take far less time this way, and
 each layer's distance from the float32 forward stays what it was, which is what a bf16 forward is used for
-here: the audit's yardstick (pipeline/tools/fidelity.py). `python bench/bench_bf16_gemms_cpu.py`,
+here: the audit's yardstick (pipeline/tools/fidelity.py). `python bench/probes/bench_bf16_gemms_cpu.py`,
 bench/results/bf16_gemms_cpu.json.
 
 Attention kernels (sdpa) are left as torch runs them: their bf16 path is fast on any CPU and has rounding of

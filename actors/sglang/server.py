@@ -163,7 +163,7 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
     if not spec.cpu:
         cmd += ["--disable-prefill-cuda-graph"]  # SGLang 0.5.23 captures prefill graphs on CUDA by default
     # SGLang's scheduler polls its sockets without pause when it has nothing to run: a whole core per
-    # idle server (99 % measured on the CPU), taken from the actor's validation and encoding between
+    # idle server, taken from the actor's validation and encoding between
     # batches, from a second actor's server, from everything else on a small machine. With this flag it
     # blocks on the same sockets while idle and wakes as a request arrives.
     cmd += ["--sleep-on-idle"]
@@ -179,11 +179,10 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
 
 # glibc malloc for a CPU server. By default it serves large blocks with mmap and raises that threshold only as
 # blocks are freed, and it hands freed heap back to the kernel: every forward of a new size faults fresh
-# pages in, so a fresh server's first pass over a prompt set ran 2,175-2,196 tok/s against 2,628-2,688 for
-# the next pass (default model, 150 short prompts, 16 in flight, a 2-core bf16 CPU). With these three (a
-# fixed threshold, no trim, heap grown in 256 MiB steps) its first pass ran 2,551-2,599, and its peak RSS
-# stayed at ~5.0 GB. The trim threshold alone is harmful (it fixes the mmap threshold at its 128 KiB
-# default: 1,211 tok/s), so the three go together, and only where the user set none of glibc's own.
+# pages in, so a fresh server's first pass over new prompts runs slow. A fixed threshold, no trim and heap
+# grown in 256 MiB steps remove most of that (bench/results/server_warmth_malloc_cpu.json). The trim threshold
+# alone is harmful (it fixes the mmap threshold at its default), so the three go together, and only where the
+# user set none of glibc's own.
 CPU_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
     "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),

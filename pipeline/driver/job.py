@@ -258,7 +258,7 @@ def _extract(
     )
     # Hand out batches only once every actor's engine is up: otherwise the first actor ready takes
     # batches_per_actor batches at once and, on a short input, the others get little or nothing
-    # (measured: two GPU actors, eight batches, all eight on one actor). The setting lives in the
+    # (seen with two GPU actors on a short input: every batch went to the first one up). The setting lives in the
     # dataset's own copy of the context.
     attempts = engine_class(cfg.engine.name).start_attempts
     wait_s = int(cfg.engine.startup_timeout_s * attempts) + 60

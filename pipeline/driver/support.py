@@ -37,7 +37,7 @@ NO_SLIDING_WINDOW = (
 )
 # (family, engine) whose model class ignores config.json's sliding_window: runs only where no sample can
 # be longer than the window (extract.max_tokens <= sliding_window); the family test shows the states go wrong
-# past it (mean cosine 0.54-0.92 on every sample longer than the window, 1.0 on the one within it).
+# past it (bench/reports/families_cpu-h200_2026-12-01.md).
 FULL_ATTENTION_ONLY = {("mistral", "sglang"): NO_SLIDING_WINDOW}
 GPU_RUNS = "bench/families_gpu.py on an H200, bench/results/families_h200.json"
 

@@ -2,8 +2,7 @@
 
 A bf16 forward is not a float32 forward with rounding on top: rounding at every layer compounds, and on
 some tokens (early positions of random prompts, tokens where attention is nearly tied) any bf16 forward
-lands far from float32 (per-token cosine 0.99 and below on the default model, ~0.9975 mean at the last of
-36 layers). A fixed cosine threshold is therefore either too loose to catch damage or crossed now and then
+lands far from float32 (bench/results/noise_rule.json, audit_8b_h200.json). A fixed cosine threshold is therefore either too loose to catch damage or crossed now and then
 by healthy data. This module judges a stored layer by the yardstick the model itself sets: the distance
 from the float32 truth of bf16 forwards of the same tokens (the reference in bf16, once with each of two
 attention kernels).
@@ -22,50 +21,27 @@ the wrong scale. A stored layer passes when
 each plus FLOOR, one bf16 unit roundoff (what storing a float32 value as bf16 costs on its own, so a
 float32 server stored as bf16 passes however exact the yardsticks happen to be).
 
-Why the largest element too: a relative L2 distance spreads one bad value over the whole hidden dimension. On a
-Qwen3-8B-shaped model (H 4096, 36 layers) bf16 forwards stand 0.055 from float32 at the final layer, and one
-value with its sign flipped moves a token by 2|x_max|/|x| ~ 0.12: within 8x the noise, so the distance alone
-passed it (bench/results/audit_8b_h200.json). bf16 noise is spread over every element, a corrupted value is
-not: its element stands tens of times past the yardsticks' largest. Measured with the SGLang captures above
-(bench/results/noise_rule.json): healthy at most 6.2x the base (a random-token prompt's shallowest layer),
-one value's sign flipped at 35.6x or more; PEAK_FACTOR = 12 leaves about 2x below and 3x above.
-
-Why two yardsticks: how far one bf16 forward strays at a sensitive token is itself random, so one
-forward's distance at a token is a poor measure of how far another may stray there (SGLang's stood at
-6.6x one transformers forward's on one token); the larger of two independent ones bounds it far better.
-
-The factors come from a measurement (bench/bench_noise_rule.py, bench/results/noise_rule.json): SGLang's
-bf16 captures of 81 samples on the default model (21 real conversations, 60 random-token prompts) at five
-layers and the final one, against these yardsticks. Healthy: worst sample mean 1.1x, worst token 4.5x.
-Damage: another sample's states >= 16x, the sequence offset by one token >= 16x, the neighbouring layer
->= 10x (sample means), the largest value of one token with its sign flipped >= 14x (that token).
-SAMPLE_FACTOR leaves 3x on both sides; TOKEN_FACTOR 1.8x on both sides.
-
-Why shallower layers count at a token: a token that bf16 makes stray in one layer carries that drift up
-the residual stream, and a later layer can pull the yardsticks back near float32 while another bf16
-forward stays off. Measured on a healthy SGLang capture: at layers 14 and 26 the yardsticks stood 0.09-0.10
-from float32 at one token and SGLang 0.23; at the final layer the yardsticks were back at 0.023 and SGLang
-at 0.25, past 8 x 0.023 though nothing was wrong. Noise cannot flow downwards, so a token's allowance takes
-the largest yardstick distance at that token over this layer and the shallower ones (`judge_layers`).
-Re-measured with it (bench/results/noise_rule.json): the margins above are unchanged, as the worst healthy
-token sits in the shallowest layer and the least-caught corrupted value in the final one (a flipped
-outlier moves a token far beyond any drift it carries).
-
-Routing. In a mixture-of-experts layer a token goes to the top-k experts by its router's scores, and where
-the k-th and the (k+1)-th score are nearly tied, bf16 rounding can send it to another expert: a jump, not
-drift, and which way one bf16 forward jumps is a coin toss (Qwen3-MoE on SGLang's CPU mode: single tokens
-at up to 4.3x their allowance, every sample mean within 1.2x its yardsticks'). A token's choice at a MoE
-layer is a near tie when the float32 margin (k-th minus (k+1)-th score) is at most ROUTE_FACTOR times how
-far the yardsticks' scores stray from float32's at that token (their largest per-expert difference, or its
-mean over the sample where that is larger): one bf16 forward moves the margin by up to twice its stray,
-another may stray further. How far a flip there moves the token is measured, not guessed: the float32
-reference runs the layer's experts again with the token's last chosen expert swapped for the runner-up
-(actors/hf/decoder.py), and from that layer up the token's allowances grow by FLIP_FACTOR times that change
-(its L2 norm for the distance, its largest element for the largest-element criterion), over the token's
-norm (`NearTies`). A yardstick whose own routing flipped at a token (its top-k set differs from float32's)
-is left out of that token's yardstick distance from then on, since the flip is allowed for apart; where
-every yardstick flipped, the sample's mean distance stands for the drift. The allowance grows by what a flip can do and no more, so a corrupted value at a
-near-tie token still fails; sample means are unchanged, so damage spread over a sample fails as before.
+Why each criterion, in a sentence each (the measurements and the margins they leave are in
+bench/reports/audit-noise-rule_cpu-h200_2026-12-07.md, from bench/results/noise_rule.json and
+audit_8b_h200.json):
+  * the largest element: a relative L2 distance spreads one bad value over the whole hidden dimension, so a
+    single flipped value on a large model hides within the distance's noise; bf16 noise is spread over every
+    element, a corrupted value is not;
+  * two yardsticks: how far one bf16 forward strays at a sensitive token is itself random, and the larger of
+    two independent ones bounds another forward's stray far better than one;
+  * shallower layers: drift a token picks up in one layer rides the residual stream upwards while a later
+    layer may pull the yardsticks back near float32; noise cannot flow downwards, so a token's allowance takes
+    the largest yardstick distance at that token over this layer and the shallower ones (`judge_layers`);
+  * routing: in a mixture-of-experts layer a near tie between the k-th and the (k+1)-th router score can send
+    a bf16 token to another expert, a jump rather than drift. A choice is a near tie when the float32 margin
+    is at most ROUTE_FACTOR times how far the yardsticks' scores stray there; the float32 reference runs the
+    layer again with the token's last chosen expert swapped for the runner-up (actors/hf/decoder.py), and from
+    that layer up the token's allowances grow by FLIP_FACTOR times that change, over the token's norm
+    (`NearTies`). A yardstick whose own routing flipped at a token (its top-k set differs from float32's)
+    is left out of that token's yardstick distance from then on, since the flip is allowed for apart; where
+    every yardstick flipped, the sample's mean distance stands for the drift. The allowance grows by what a
+    flip can do and no more, so a corrupted value at a near-tie token still fails; sample means are
+    unchanged, so damage spread over a sample fails as before.
 """
 
 from __future__ import annotations
@@ -193,8 +169,8 @@ def near_tie_tokens(ties: dict, depth: float) -> NearTies | None:
     if not below or not any(t[0].any() for t in below):
         return None
     tokens = np.logical_or.reduce([t[0] for t in below])
-    # Flips at several layers add as independent changes do: root of the sum of squares (measured on
-    # DeepSeek-V3's CPU family model: a yardstick flipped at 5 layers of ~0.37 each stood 0.90 off, RSS 0.83).
+    # Flips at several layers add as independent changes do: root of the sum of squares (checked on the
+    # DeepSeek-V3 family model, bench/reports/audit-noise-rule_cpu-h200_2026-12-07.md).
     move = np.sqrt(np.sum([np.where(t[0], np.asarray(t[1], np.float64), 0.0) ** 2 for t in below], axis=0))
     peak = np.sqrt(np.sum([np.where(t[0], np.asarray(t[2], np.float64), 0.0) ** 2 for t in below], axis=0))
     flipped = None
