@@ -16,7 +16,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ import aiohttp
 
 from actors.dump import DumpError, dump_path, read_dump
 from actors.engine import EngineDied, GenerateResult, RequestResult
+from actors.sglang.dump_dir import default_dump_root, make_dump_dir, remove_orphaned_dump_dirs
 from actors.sglang.server import (
     RID_PREFIX,
     ServerSpec,
@@ -35,88 +35,16 @@ from actors.sglang.server import (
     cpu_dtype_flags,
     cpu_kv_tokens,
 )
-from pipeline.format.lock import pid_alive
+from actors.sglang.window import WindowClock
 
 logger = logging.getLogger(__name__)
-
-
-DUMP_DIR_PREFIX = "hidden-harvest-"
-
-
-def default_dump_root() -> Path:
-    # /dev/shm keeps dumps in memory: they live for milliseconds between the hook and the reader.
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() else Path(tempfile.gettempdir())
-
-
-def make_dump_dir(root: Path) -> Path:
-    """A private (0700, unique) dump directory named after this process, so a later start can tell it is orphaned."""
-    return Path(tempfile.mkdtemp(prefix=f"{DUMP_DIR_PREFIX}{os.getpid()}-", dir=root))
-
-
-def remove_orphaned_dump_dirs(root: Path) -> list[Path]:
-    """Dump directories whose process is gone (killed with its server, or a host crash that kept /dev/shm).
-
-    The server's watchdog removes its directory when only the starter dies; this covers the rest. Only
-    this user's directories with the current naming (`hidden-harvest-<pid>-`) are considered.
-    """
-    removed = []
-    for d in root.glob(f"{DUMP_DIR_PREFIX}*-*"):
-        pid = d.name[len(DUMP_DIR_PREFIX) :].split("-", 1)[0]
-        try:
-            if not pid.isdigit() or not d.is_dir() or d.stat().st_uid != os.getuid() or pid_alive(int(pid)):
-                continue
-        except OSError:  # gone meanwhile
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    if removed:
-        logger.info("removed %d dump directories left by processes that are gone", len(removed))
-    return removed
-
-
-class WindowClock:
-    """How full the capture window was, from the engine's start (after warm-up) to now: the seconds with
-    nothing in flight, with the window short of full, and the mean number in flight. A job slower than a
-    plain server at the same window shows here whether the server was kept fed. Touched only from the
-    engine's event loop; read from any thread (a snapshot of a few floats)."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.reset()
-
-    def reset(self, now: float | None = None) -> None:
-        self.since = self._last = time.monotonic() if now is None else now
-        self.in_flight = self.requests = 0
-        self.idle_s = self.short_s = self.area = 0.0
-
-    def change(self, delta: int, now: float) -> None:
-        span = now - self._last
-        self.idle_s += span * (self.in_flight == 0)
-        self.short_s += span * (self.in_flight < self.size)
-        self.area += span * self.in_flight
-        self._last, self.in_flight = now, self.in_flight + delta
-        self.requests += delta > 0
-
-    def snapshot(self) -> dict:
-        now = time.monotonic()
-        span = max(now - self.since, 1e-9)
-        tail = now - self._last  # the stretch since the last change, at the current level
-        return {
-            "size": self.size,
-            "requests": self.requests,
-            "seconds": round(span, 3),
-            "idle_s": round(self.idle_s + tail * (self.in_flight == 0), 3),
-            "short_of_full_s": round(self.short_s + tail * (self.in_flight < self.size), 3),
-            "mean_in_flight": round((self.area + tail * self.in_flight) / span, 2),
-        }
 
 
 class SGLangEngine:
     name = "sglang"
     # A server start that stalls or exits is tried once more (fresh ports, a fresh process) before the actor
-    # fails: a start that stalled past 600 s once in a suite run of two concurrent starts left the run
-    # failed on Ray's wait for actors, with nothing in the server log to act on.
+    # fails: under concurrent starts one can stall with nothing in the server log to act on, and Ray's wait
+    # for actors would then fail the whole run.
     start_attempts = 2
 
     @classmethod
@@ -232,13 +160,11 @@ class SGLangEngine:
 
     def _warm_up(self) -> None:
         """One window of synthetic prompts (lengths log-uniform in 32..512, fixed) through the server before
-        the engine counts as started. SGLang's own warm-up is one token. With this one, a fresh engine's first
-        pass over 150 short prompts on a bf16 CPU ran as fast as its later ones (2,273-2,294 against
-        2,229-2,345 tok/s, bench/results/server_warmth_cpu.json); without it, one unrecorded run of the same
-        prompts gave 1,988 against 2,229 at 16 in flight. Their request ids lack the capture
-        prefix, so the hook publishes nothing for them (and a test's fault injection never sees them). Ids
-        below 1,000 exist in every vocabulary. A failure here is logged, not raised: the job's own requests
-        say whether the server works."""
+        the engine counts as started. SGLang's own warm-up is one token; with this one, a fresh engine's first
+        requests run as fast as its later ones (bench/results/server_warmth_cpu.json). Their request ids lack
+        the capture prefix, so the hook publishes nothing for them (and a test's fault injection never sees
+        them). Ids below 1,000 exist in every vocabulary. A failure here is logged, not raised: the job's own
+        requests say whether the server works."""
         rng = random.Random(0)
         lengths = [int(32 * 16 ** rng.random()) for _ in range(self.max_in_flight)]
         t0 = time.monotonic()

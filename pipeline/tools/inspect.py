@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 
 import pyarrow.parquet as pq
@@ -48,10 +50,26 @@ def summarize(output: str) -> str:
             pf = pq.ParquetFile(f)
             lines.append(f"schema ({len(shards)} shards, first {shards[0]}):")
             lines += [f"  {field.name}: {field.type}" for field in pf.schema_arrow]
-            lines.append(f"  metadata: {json.dumps(read_layout(pf.schema_arrow))}")
+            meta = read_layout(pf.schema_arrow)
+            norm = meta.pop("final_norm", None)
+            lines.append(f"  metadata: {json.dumps(meta)}")
+            if norm is not None:
+                lines.append(f"  final norm: {describe_final_norm(norm)}")
     errors = store.list(ERROR_DIR, ".jsonl")
     if errors:
         first = store.read_bytes(errors[0]).decode().splitlines()[:3]
         lines.append(f"errors: {len(errors)} files, e.g.:")
         lines += [f"  {json.loads(e)}" for e in first if e.strip()]
     return "\n".join(lines)
+
+
+def describe_final_norm(norm: dict) -> str:
+    """A shard's stored final norm in a line: its variant, eps, and its weight's sha256 and size; the weight
+    itself (thousands of values) is left to the readers that apply it (pipeline/format/final_norm.py)."""
+    raw = base64.b64decode(norm["weight_float32_base64"])
+    sha = hashlib.sha256(raw).hexdigest()
+    check = "" if sha == norm.get("weight_sha256") else f" (the metadata records {norm.get('weight_sha256')}: damaged)"
+    return (
+        f"variant {norm['variant']}, eps {norm['eps']:g}, weight float32 sha256 {sha}{check}, "
+        f"{len(raw):,} bytes ({len(raw) // 4:,} values)"
+    )

@@ -5,7 +5,8 @@ import stat
 import subprocess
 import sys
 
-from actors.sglang.engine import SGLangEngine, make_dump_dir, remove_orphaned_dump_dirs
+from actors.sglang.dump_dir import make_dump_dir, remove_orphaned_dump_dirs
+from actors.sglang.engine import SGLangEngine
 
 
 def test_each_engine_gets_a_private_unique_dump_dir_removed_on_close(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""`harvest export` (pipeline/tools/export.py) on real shards: each trainer's files hold what that trainer reads
+"""`harvest export` (pipeline/tools/export/) on real shards: each trainer's files hold what that trainer reads
 (keys, dtypes, shapes, which side of the final norm), a killed export rerun completes with nothing twice,
 the verify step catches a damaged file, and exports a trainer cannot use are refused with the reason."""
 
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from pipeline.format.storage import Store
-from pipeline.tools.export import _LAYOUTS, ExportError, _verify_vocab
+from pipeline.tools.export import ExportError
 from pipeline.tools.export import export as export_in
+from pipeline.tools.export.run import LAYOUTS, verify_vocab
 from tests_support import make_output
 
 H = 16  # make_output's hidden size
@@ -193,8 +194,8 @@ def test_draft_vocab_is_speculators_own_selection_in_each_trainers_files(source,
     )
     # The verify step reads the mapping back: a damaged one fails the export.
     np.save(tmp_path / "sp" / f"t2d-{n}.npy", np.roll(want_t2d.numpy(), 1))
-    layout = _LAYOUTS["speculators"]((1, 3, 5), H)
-    problems = _verify_vocab(Store(str(tmp_path / "sp")), layout, want_d2t.numpy(), want_t2d.numpy())
+    layout = LAYOUTS["speculators"]((1, 3, 5), H)
+    problems = verify_vocab(Store(str(tmp_path / "sp")), layout, want_d2t.numpy(), want_t2d.numpy())
     assert problems == [
         "d2t and t2d name different tokens",
         "the draft vocabulary read back differs from the one selected",

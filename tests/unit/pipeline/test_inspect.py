@@ -1,10 +1,11 @@
 from pipeline.format.manifest import write_manifest
 from pipeline.format.storage import Store
 from pipeline.tools.inspect import summarize
+from tests_support import make_output
 
 
-def test_summary_names_the_turns_policy_and_unrendered_fields(tmp_path):
-    manifest = {
+def _manifest() -> dict:
+    return {
         "status": "complete",
         "model": {"name": "m"},
         "engine": {"name": "sglang", "version": "x", "device": "cpu"},
@@ -32,7 +33,10 @@ def test_summary_names_the_turns_policy_and_unrendered_fields(tmp_path):
             "unrendered": {"reasoning_content": 2},
         },
     }
-    write_manifest(Store(str(tmp_path)), manifest)
+
+
+def test_summary_names_the_turns_policy_and_unrendered_fields(tmp_path):
+    write_manifest(Store(str(tmp_path)), _manifest())
     text = summarize(str(tmp_path))
     assert "(of 5 samples from 3 input rows)" in text
     assert (
@@ -40,3 +44,19 @@ def test_summary_names_the_turns_policy_and_unrendered_fields(tmp_path):
         in text
     )
     assert "not rendered by the chat template (samples): {'reasoning_content': 2}" in text
+
+
+def test_summary_describes_the_final_norm_without_printing_its_weight(tmp_path):
+    """Shards written by the real writer with a pre-norm final layer carry the norm's weight in their metadata;
+    the summary gives its variant, eps, sha256 and size, never the weight itself."""
+    _, norm = make_output(tmp_path, H=16)
+    write_manifest(Store(str(tmp_path)), _manifest())
+    stored = norm.to_json()
+    text = summarize(str(tmp_path))
+    assert "schema (3 shards, first shards/part-" in text
+    assert (
+        f"  final norm: variant rms, eps 1e-05, weight float32 sha256 {stored['weight_sha256']}, 64 bytes (16 values)"
+        in text.splitlines()
+    )
+    assert stored["weight_float32_base64"] not in text
+    assert "weight_float32_base64" not in text and "base64" not in text

@@ -1,35 +1,14 @@
-"""`harvest audit`: recompute committed samples in float32 and compare them with what was stored.
-
-The reference is transformers (actors/hf/reference.py) run in float32 on the model the manifest
-names, sharing no code with the SGLang capture path (server, hook, dump, validation). For each audited
-sample and each stored layer (every aux layer, then the final state) it judges the stored bf16 states
-against float32 by the yardstick of a bf16 forward of the same tokens (pipeline/tools/fidelity.py): a healthy
-capture is about as far from float32 as any bf16 forward is, damage is many times further. The report
-gives each layer's distances, the rule and its factors, cosines for the reader, and names the worst.
-
-What it catches: a sample paired with another sample's states, a shifted or wrong layer, a truncated or
-offset sequence, corrupted bytes that still decode, a different model. What it cannot: bf16 rounding
-and the drift it accumulates over the layers, which it is built to tolerate.
-"""
+"""The audit's verdicts: each stored layer of a sample judged against the reference by the bf16-noise rule
+(pipeline/tools/fidelity.py), and the report that gathers them (per layer, the worst, as text and JSON)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from actors.hf.reference import ReferenceStates
-from pipeline.format.codec import fp8_error_bound
-from pipeline.format.manifest import read_manifest
-from pipeline.format.shards import codec_of, decode_row, list_shards, read_layout, shard_sample_ids
-from pipeline.format.storage import Store
-from pipeline.intake import model as model_lib
+from pipeline.tools.audit.reference import REFERENCE_RUNS
 from pipeline.tools.fidelity import (
     DEFAULT_RULE,
     FINAL_DEPTH,
@@ -37,20 +16,9 @@ from pipeline.tools.fidelity import (
     Deviation,
     NoiseRule,
     as_float,
-    flipped_routes,
-    near_tie_routes,
     near_tie_tokens,
     upstream_noise,
 )
-
-logger = logging.getLogger(__name__)
-
-AUDIT_REPORT = "audit.json"
-DEFAULT_SAMPLES = 16
-
-
-class AuditError(RuntimeError):
-    """The audit cannot run (no manifest, model missing or different); the message says what to do."""
 
 
 @dataclass
@@ -286,173 +254,6 @@ def _deviation_fields(d: Deviation) -> tuple:
         d.peak_token,
         d.peak_error,
         d.peak_allowed,
-    )
-
-
-# The truth, then the yardsticks: bf16 forwards of the same tokens with two attention kernels, whose
-# rounding differs (pipeline/tools/fidelity.py says why two).
-REFERENCE_RUNS = (("float32", "sdpa"), ("bfloat16", "sdpa"), ("bfloat16", "eager"))
-
-
-class Reference:
-    """The float32 truth and the bf16 yardsticks of the same tokens, from transformers (actors/hf/reference.py).
-
-    It shares no code with the SGLang capture path (server, hook, dump, validation). `layers()` gives, per
-    sequence, the K aux blocks then the final state, each [T, H] float32 numpy: the truth's, and for each
-    block a tuple of the yardsticks'. `samples()` adds, for a MoE model, the tokens whose expert choice at
-    each MoE layer is a near tie that bf16 may flip (fidelity.near_tie_routes)."""
-
-    def __init__(
-        self,
-        model_dir,
-        aux_layers,
-        device: str = "cpu",
-        max_batch_tokens: int | None = None,
-        final_layer: str = "post_norm",
-    ):
-        # On a CPU padding costs as much as real tokens and batching gains little: small batches (measured: half
-        # the padded tokens and 30 % less time on the test output); a GPU wants large ones.
-        batch_tokens = max_batch_tokens or (16384 if device.startswith("cuda") else 2048)
-        self.aux_layers = tuple(aux_layers)
-        self._runs = [
-            ReferenceStates(
-                str(model_dir),
-                self.aux_layers,
-                device,
-                dtype,
-                batch_tokens,
-                attn_implementation=attn,
-                final_layer=final_layer,
-                routes=True,
-                flips=dtype == "float32",  # the truth measures what a routing flip moves (fidelity.py)
-            )
-            for dtype, attn in REFERENCE_RUNS
-        ]
-
-    def __enter__(self) -> Reference:
-        try:
-            for r in self._runs:
-                r.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for r in self._runs:
-            r.close()
-
-    @property
-    def routers(self) -> dict[int, int]:
-        """MoE layer -> its router's top-k, as found in the model (empty for a dense one)."""
-        return self._runs[0].routers
-
-    def layers(self, sequences: list[list[int]]) -> list[tuple[list[np.ndarray], list[tuple[np.ndarray, ...]]]]:
-        """[(truth blocks, yardstick blocks)] per sequence, in order."""
-        return [(truth, yards) for truth, yards, _ in self.samples(sequences)]
-
-    def samples(self, sequences: list[list[int]]) -> list[tuple[list, list, dict[int, tuple]]]:
-        """[(truth blocks, yardstick blocks, {MoE layer: ([T] bool the routing a near tie, what a flip moves
-        the token: L2 norm [T], largest element [T], per yardstick [T] bool where its routing flipped)})] per
-        sequence (fidelity.near_tie_tokens)."""
-        k = len(self.aux_layers)
-        truth, *yards = (r.states_and_routes(sequences) for r in self._runs)
-        top_k = self.routers
-        out = []
-        for t, *ys in zip(truth, *yards):
-            ties = {}
-            for i in top_k:
-                scores, yard_scores = t[2][i].numpy(), [y[2][i].numpy() for y in ys]
-                near = near_tie_routes(scores, yard_scores, top_k[i])
-                ties[i] = (near, *(x.numpy() for x in t[3][i]), flipped_routes(scores, yard_scores, top_k[i]))
-            out.append((_blocks(t, k), list(zip(*(_blocks(y, k) for y in ys))), ties))
-        return out
-
-
-def _blocks(state, k: int) -> list[np.ndarray]:
-    aux, last = state[:2]
-    h = last.shape[-1]
-    return [aux[:, j * h : (j + 1) * h].numpy() for j in range(k)] + [last.numpy()]
-
-
-def resolve_model_dir(manifest: dict, override: str | None) -> Path:
-    """The model the output was made with: --model, else the manifest's path; its fingerprint must match."""
-    recorded = (manifest.get("model") or {}).get("path")
-    path = override or recorded
-    if not path:
-        raise AuditError("the manifest names no model; pass --model DIR")
-    model_dir = model_lib.resolve_model(path) if path == "default" else Path(path)
-    if not (model_dir / "config.json").is_file():
-        raise AuditError(f"model directory {model_dir} not found (the manifest records {recorded!r}); pass --model DIR")
-    want = manifest.get("data_settings", {}).get("model_sha256")
-    if want and model_lib.model_fingerprint(model_dir) != want:
-        raise AuditError(f"model at {model_dir} is not the one this output was made with (fingerprint differs)")
-    return model_dir
-
-
-def pick_samples(store: Store, samples: int | None, seed: int) -> dict[str, list[tuple[int, str]]]:
-    """shard -> [(row, sample_id)] for N random committed samples (all of them when samples is None)."""
-    every = [(rel, i, sid) for rel in list_shards(store) for i, sid in enumerate(shard_sample_ids(store, rel))]
-    chosen = every if samples is None or samples >= len(every) else random.Random(seed).sample(every, samples)
-    by_shard: dict[str, list[tuple[int, str]]] = {}
-    for rel, i, sid in sorted(chosen):
-        by_shard.setdefault(rel, []).append((i, sid))
-    return by_shard
-
-
-def audit(
-    output: str,
-    samples: int | None = DEFAULT_SAMPLES,
-    device: str = "cpu",
-    seed: int = 0,
-    rule: NoiseRule = DEFAULT_RULE,
-    model: str | None = None,
-    max_batch_tokens: int | None = None,
-) -> AuditReport:
-    t0 = time.monotonic()
-    store = Store(output)
-    manifest = read_manifest(store)
-    if manifest is None:
-        raise AuditError(f"{store.display()} has no manifest.json: not a hidden-harvest output")
-    model_dir = resolve_model_dir(manifest, model)
-    aux_layers = tuple(manifest["data_settings"]["aux_layers"])
-    # The stored final layer is judged as stored, against the reference's state at the same point.
-    final_layer = manifest["data_settings"].get("final_layer", "post_norm")
-    report = AuditReport(store.display(), str(model_dir), device, rule, final_layer)
-    chosen = pick_samples(store, samples, seed)
-    with Reference(model_dir, aux_layers, device, max_batch_tokens, final_layer) as reference:
-        for rel, rows in chosen.items():
-            with store.fs.open(store.path(rel), "rb") as f:
-                table = pq.read_table(f)
-            meta = read_layout(table.schema)
-            decoded = [decode_row(table, i, meta, as_torch=False, expand_last=False, final="stored") for i, _ in rows]
-            bounds = [quantization_bounds(table, i, meta, d) for (i, _), d in zip(rows, decoded)]
-            refs = reference.samples([d["input_ids"].tolist() for d in decoded])
-            for d, ref, q in zip(decoded, refs, bounds):
-                report.samples.append(d["sample_id"])
-                report.results += judge_sample(d, ref, aux_layers, meta["hidden_size"], rule, q)
-    report.seconds = time.monotonic() - t0
-    store.write_bytes(AUDIT_REPORT, (json.dumps(report.to_json(), indent=2) + "\n").encode())
-    return report
-
-
-def quantization_bounds(table, i: int, meta: dict, decoded: dict) -> tuple | None:
-    """For an fp8 shard, per stored value the most quantization can have moved it: (aux [T, K*H], final
-    [rows, H]) from the stored scales and codes; None for lossless encodings."""
-    if meta.get("encoding") != "fp8":
-        return None
-    codec = codec_of(meta)
-    aux_rows, last_rows = decoded["aux_hidden_states"].shape[0], decoded["last_hidden_state"].shape[0]
-    h = meta["hidden_size"]
-    return tuple(
-        fp8_error_bound(codec.decode(table[col][i].as_buffer(), rows, width), rows, width, h)
-        for col, rows, width in (
-            ("aux_hidden_states", aux_rows, meta["aux_width"]),
-            ("last_hidden_state", last_rows, h),
-        )
     )
 
 
