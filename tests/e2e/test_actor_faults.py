@@ -25,8 +25,8 @@ from tests_support import harvest_command, processes_matching
 
 # Three SGLang server starts and two local Ray clusters: ~4-6 minutes on the 2-core machine. In the suite,
 # the same properties in small: the loopback-only server and private dump directory (test_engine.py), the
-# refusal of a second run (unit/pipeline/test_lock.py), which rows --retry-errors reopens
-# (unit/pipeline/test_retry_errors.py), the server ended with the process that started it (test_engine.py).
+# refusal of a second run (unit/pipeline/format/test_lock.py), which rows --retry-errors reopens
+# (unit/pipeline/format/test_retry_errors.py), the server ended with the process that started it (test_engine.py).
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 REPO = Path(__file__).resolve().parents[2]
 

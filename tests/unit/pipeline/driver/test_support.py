@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.driver import support
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+README = Path(__file__).resolve().parents[4] / "README.md"
 
 
 def test_the_readme_table_is_the_one_the_job_reads():

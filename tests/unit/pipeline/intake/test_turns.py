@@ -14,7 +14,7 @@ import pytest
 from pipeline.intake.normalize import parse_line
 from pipeline.intake.tokenize import ChatTokenizer, Tokenize
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
 NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
 
 TOOLS = [
