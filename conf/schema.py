@@ -201,7 +201,7 @@ class OutputConfig(_Strict):
     encode_threads: int | None = Field(None, ge=1)
     # A shard's row group is written (and, locally, synced to the disk) once this many MB of encoded samples
     # wait. Smaller: less left to write once a batch's last capture is back (the run's tail); larger: fewer,
-    # larger writes and row groups (pipeline/format/shards.py, ROW_GROUP_BYTES).
+    # larger writes and row groups (pipeline/format/shard_writer.py, ROW_GROUP_BYTES).
     row_group_mb: int = Field(64, ge=1, le=2047)
     # all: last_hidden_state at every position [T, H]; masked: only where loss_mask is 1 [M, H]
     # (the reader expands it back, or returns it with its positions).

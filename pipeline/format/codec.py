@@ -8,18 +8,17 @@ state.
 
 `planes_zstd` / `raw` (lossless bf16): the bits as two byte planes [2, W, T]; head = plane 0 (the low bytes:
 mantissa noise that no codec shrinks), tail = plane 1 (the high bytes: sign and exponent, which repeat along
-a channel and compress to ~0.4; `raw` stores it as is).
+a channel and compress well: bench/results/data_path_h200.json; `raw` stores it as is).
 
     lo = np.frombuffer(value, np.uint8, W * T)
     hi = np.frombuffer(pa.Codec("zstd").decompress(value[W * T:], W * T), np.uint8)   # raw: value[W * T:]
     bits = (hi.astype(np.uint16) << 8 | lo).reshape(W, T).T                           # [T, W] bf16 bits
 
-`fp8` (lossy, ~0.43 of raw bf16): every H-wide layer block of every token is scaled apart (an aux layer and
+`fp8` (lossy, bench/results/fp8_default_model.json): every H-wide layer block of every token is scaled apart (an aux layer and
 the final layer differ in range by orders of magnitude): scale = amax / 448 rounded up to a bf16 value (float32;
 1 where the block is all zero), values = e4m3fn(x / scale) from float32. Rounded up: the largest value still
-lands within 448, and the scale's low two bytes are zero, so it compresses to about half (the scales cost
-~0.2 % of raw instead of 0.35 %). A power-of-two scale would compress further but leaves up to one binade of
-e4m3's range unused: on the default model's states that took the lowest per-token cosine from 0.9995 to 0.9989.
+lands within 448, and the scale's low two bytes are zero, so it compresses to about half. A power-of-two scale
+would compress further but leaves up to one binade of e4m3's range unused, which costs accuracy on every block.
 Head = nothing; tail = the scales, float32 [B, T] (B = W / H blocks), then the e4m3 bytes [W, T], one zstd
 frame. Dequantized: the float32 product e4m3 * scale (exact: 4 and 8 significant bits), rounded once to bf16.
 

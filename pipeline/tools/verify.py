@@ -132,7 +132,7 @@ def verify(output: str) -> Report:
     }
     ids: Counter = Counter()
     # Shards are independent and decompression releases the GIL: a few at once keep the disk and the
-    # cores busy (a 25 GB output took ~2 minutes one shard at a time).
+    # cores busy, where one at a time leaves both waiting on each other.
     with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
         for part, sids in pool.map(lambda rel: _check_shard(store, rel, expected), list_shards(store)):
             report.problems += part.problems

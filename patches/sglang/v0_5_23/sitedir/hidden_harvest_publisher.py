@@ -117,7 +117,7 @@ def _split_planes(dst, x, rows: slice) -> None:
     if x.is_cuda:  # one strided copy kernel: cheap on the device
         dst.copy_(x.contiguous().view(torch.uint8).view(n, w, 2).permute(2, 1, 0))
         return
-    # On the CPU a 2-byte transpose then a de-interleave is ~2x faster than the byte-wise permute.
+    # On the CPU a 2-byte transpose then a de-interleave is faster than the byte-wise permute.
     cols = x.contiguous().view(torch.int16).numpy().T.copy().view("u1").reshape(w, n, 2)
     out = dst.numpy()
     out[0] = cols[..., 0]
