@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 
 import pyarrow.parquet as pq
 
 from pipeline.format.errors import ERROR_DIR
+from pipeline.format.final_norm import FinalNorm
 from pipeline.format.manifest import read_manifest
 from pipeline.format.shards import list_shards, read_layout
 from pipeline.format.storage import Store, human_bytes
@@ -66,10 +65,11 @@ def summarize(output: str) -> str:
 def describe_final_norm(norm: dict) -> str:
     """A shard's stored final norm in a line: its variant, eps, and its weight's sha256 and size; the weight
     itself (thousands of values) is left to the readers that apply it (pipeline/format/final_norm.py)."""
-    raw = base64.b64decode(norm["weight_float32_base64"])
-    sha = hashlib.sha256(raw).hexdigest()
-    check = "" if sha == norm.get("weight_sha256") else f" (the metadata records {norm.get('weight_sha256')}: damaged)"
+    try:
+        fn = FinalNorm.from_json(norm)  # checks the weight against its recorded sha256
+    except (ValueError, KeyError) as e:  # FinalNormError is a ValueError
+        return f"cannot be read ({type(e).__name__}: {e})"
     return (
-        f"variant {norm['variant']}, eps {norm['eps']:g}, weight float32 sha256 {sha}{check}, "
-        f"{len(raw):,} bytes ({len(raw) // 4:,} values)"
+        f"variant {fn.variant}, eps {fn.eps:g}, weight float32 sha256 {norm['weight_sha256']}, "
+        f"{fn.weight.nbytes:,} bytes ({fn.weight.size:,} values)"
     )

@@ -60,3 +60,14 @@ def test_summary_describes_the_final_norm_without_printing_its_weight(tmp_path):
     )
     assert stored["weight_float32_base64"] not in text
     assert "weight_float32_base64" not in text and "base64" not in text
+
+
+def test_a_final_norm_whose_weight_does_not_match_its_sha256_is_said_to_be_unreadable():
+    import numpy as np
+
+    from pipeline.format.final_norm import FinalNorm
+    from pipeline.tools.inspect import describe_final_norm
+
+    stored = FinalNorm("rms", 1e-5, np.ones(4, np.float32)).to_json()
+    stored["weight_sha256"] = "0" * 64
+    assert describe_final_norm(stored).startswith("cannot be read (FinalNormError: ")
